@@ -1,0 +1,211 @@
+"""Per-request records and run metrics of a simulation (what an SGLang operator looks at)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from envs.cluster_config import ClusterConfig
+
+if TYPE_CHECKING:
+    from envs.simulator import Simulator
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """Quantile ``q`` in [0, 1] of ``values`` where value i occurs ``weights[i]`` times (inverted CDF)."""
+    if len(values) == 0 or weights.sum() <= 0:
+        return math.nan
+    order = np.argsort(values, kind="stable")
+    v, cw = values[order], np.cumsum(weights[order])
+    idx = int(np.searchsorted(cw, q * cw[-1], side="left"))
+    return float(v[min(idx, len(v) - 1)])
+
+
+def expand_itl_segments(segments: list[tuple[float, float, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(t0, dt, k, weight) jumps -> every iteration's interval and how many tokens had it."""
+    if not segments:
+        return np.zeros(0), np.zeros(0)
+    seg = np.asarray(segments, dtype=np.float64)
+    k = seg[:, 2].astype(np.int64)
+    start = np.repeat(np.cumsum(k) - k, k)
+    i = np.arange(int(k.sum())) - start
+    values = np.repeat(seg[:, 0], k) + np.repeat(seg[:, 1], k) * i
+    weights = np.repeat(seg[:, 3], k)
+    return values, weights
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """Run-level figures. Times in seconds, throughputs in tokens per second of simulated time."""
+
+    n_requests: int
+    n_finished: int
+    duration_s: float
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_mean_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+    e2e_mean_s: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+    slo_attainment: float
+    prefix_hit_share: float
+    borrowed_share: float
+    fallback_share: float
+    borrowed_prefill_tokens: int
+    lease_utilisation: float
+    retractions: int
+    prefill_utilisation: float
+    decode_utilisation: float
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+@dataclass
+class SimResult:
+    """Everything one simulation produced."""
+
+    config: ClusterConfig
+    trace_name: str
+    seed: int
+    metrics: RunMetrics
+    requests: pd.DataFrame
+    """One row per request: ids, tokens, times, path, workers, cached tokens, retractions."""
+    timeline: pd.DataFrame
+    """One row per minute of arrivals: offered uncached input and output tokens and their ratio,
+    borrowed prefill tokens, mean lease rate."""
+    nodes: pd.DataFrame
+    """One row per worker: role, index, busy fraction."""
+    itl_values_s: np.ndarray = field(repr=False)
+    itl_weights: np.ndarray = field(repr=False)
+    decisions: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "trace": self.trace_name,
+            "seed": self.seed,
+            "config": self.config.to_dict(),
+            "metrics": self.metrics.to_dict(),
+            "timeline": self.timeline.to_dict(orient="list"),
+            "nodes": self.nodes.to_dict(orient="records"),
+        }
+
+
+def _offered_timeline(sim: Simulator, df: pd.DataFrame) -> pd.DataFrame:
+    """Per-minute offered traffic: uncached input (with an unbounded cache) and output tokens."""
+    if df.empty:
+        return pd.DataFrame(columns=["minute", "uncached_input_tokens", "output_tokens", "uncached_to_output"])
+    shared = np.array([r.shared_prefix_tokens for r in sim.trace.requests], dtype=np.int64)
+    uncached = np.maximum(df["input_tokens"].to_numpy() - shared[df["request_id"].to_numpy()], 0)
+    minute = np.floor(df["arrival_s"].to_numpy() / 60.0).astype(np.int64)
+    g = pd.DataFrame({"minute": minute, "uncached_input_tokens": uncached, "output_tokens": df["output_tokens"]})
+    out = g.groupby("minute", as_index=False).sum()
+    out["uncached_to_output"] = out["uncached_input_tokens"] / out["output_tokens"].clip(lower=1)
+    if sim.node_timeline:
+        nt = pd.DataFrame(
+            sim.node_timeline, columns=["time_s", "node", "lease_rate", "borrowed_total", "batch"]
+        ).sort_values(["node", "time_s"])
+        nt["borrowed"] = nt.groupby("node")["borrowed_total"].diff().fillna(nt["borrowed_total"])
+        nt["minute"] = np.floor(nt["time_s"] / 60.0).astype(np.int64)
+        per_min = nt.groupby("minute").agg(
+            borrowed_prefill_tokens=("borrowed", "sum"), lease_rate_tokens_per_s=("lease_rate", "mean")
+        )
+        # lease rate summed over nodes: mean per node per tick x nodes
+        per_min["lease_rate_tokens_per_s"] *= sim.config.n_decode
+        out = out.merge(per_min.reset_index(), on="minute", how="left").fillna(0.0)
+    return out
+
+
+def build_result(sim: Simulator) -> SimResult:
+    """Collect a finished (or stopped) simulation into records and metrics."""
+    from envs.simulator import BORROWED, FALLBACK, PATH_NAMES
+
+    cfg = sim.config
+    reqs = [r for r in sim.reqs if not math.isnan(r.arrival_s)]
+    df = pd.DataFrame(
+        {
+            "request_id": [r.rid for r in reqs],
+            "session_id": [sim.trace.requests[r.rid].session_id for r in reqs],
+            "input_tokens": [r.input for r in reqs],
+            "output_tokens": [r.output for r in reqs],
+            "cached_tokens": [r.cached for r in reqs],
+            "arrival_s": [r.arrival_s for r in reqs],
+            "first_token_s": [r.first_token_s for r in reqs],
+            "finish_s": [r.finish_s for r in reqs],
+            "path": [PATH_NAMES[r.path] for r in reqs],
+            "prefill_worker": [r.prefill_worker for r in reqs],
+            "decode_worker": [r.decode_worker for r in reqs],
+            "retractions": [r.retractions for r in reqs],
+        }
+    )
+    done = df[df["finish_s"].notna()]
+    ttft = (done["first_token_s"] - done["arrival_s"]).to_numpy()
+    e2e = (done["finish_s"] - done["arrival_s"]).to_numpy()
+    start = float(df["arrival_s"].min()) if len(df) else 0.0
+    end = float(done["finish_s"].max()) if len(done) else sim.now_s
+    duration = max(end - start, 1e-9)
+    itl_v, itl_w = expand_itl_segments(sim.itl_segments)
+    itl_mean = float(np.average(itl_v, weights=itl_w)) if itl_w.sum() > 0 else math.nan
+    per_req_itl = np.where(
+        done["output_tokens"] > 1,
+        (done["finish_s"] - done["first_token_s"]) / (done["output_tokens"] - 1).clip(lower=1),
+        0.0,
+    )
+    slo_ok = (ttft <= cfg.slo_ttft_s) & (per_req_itl <= cfg.slo_itl_s)
+    paths = np.array([r.path for r in reqs])
+    borrowed_tokens = sum(w.borrowed_tokens_total for w in sim.decode)
+    lease_offered = sum(rate * cfg.control_interval_s for _, _, rate, _, _ in sim.node_timeline)
+    busy_p = [w.busy_s / duration for w in sim.prefill]
+    busy_d = [w.busy_s / duration for w in sim.decode]
+    q = np.quantile
+    metrics = RunMetrics(
+        n_requests=len(sim.reqs),
+        n_finished=len(done),
+        duration_s=duration,
+        input_tokens_per_s=float(done["input_tokens"].sum()) / duration,
+        output_tokens_per_s=float(done["output_tokens"].sum()) / duration,
+        ttft_mean_s=float(ttft.mean()) if len(ttft) else math.nan,
+        ttft_p50_s=float(q(ttft, 0.5)) if len(ttft) else math.nan,
+        ttft_p99_s=float(q(ttft, 0.99)) if len(ttft) else math.nan,
+        itl_mean_s=itl_mean,
+        itl_p50_s=weighted_quantile(itl_v, itl_w, 0.5),
+        itl_p99_s=weighted_quantile(itl_v, itl_w, 0.99),
+        e2e_mean_s=float(e2e.mean()) if len(e2e) else math.nan,
+        e2e_p50_s=float(q(e2e, 0.5)) if len(e2e) else math.nan,
+        e2e_p99_s=float(q(e2e, 0.99)) if len(e2e) else math.nan,
+        slo_attainment=float(slo_ok.mean()) if len(slo_ok) else math.nan,
+        prefix_hit_share=float(df["cached_tokens"].sum() / max(1, df["input_tokens"].sum())),
+        borrowed_share=float((paths == BORROWED).mean()) if len(paths) else 0.0,
+        fallback_share=float((paths == FALLBACK).mean()) if len(paths) else 0.0,
+        borrowed_prefill_tokens=int(borrowed_tokens),
+        lease_utilisation=float(borrowed_tokens / lease_offered) if lease_offered > 0 else 0.0,
+        retractions=int(df["retractions"].sum()),
+        prefill_utilisation=float(np.mean(busy_p)),
+        decode_utilisation=float(np.mean(busy_d)),
+    )
+    nodes = pd.DataFrame(
+        [{"role": "prefill", "index": i, "busy_fraction": b} for i, b in enumerate(busy_p)]
+        + [{"role": "decode", "index": i, "busy_fraction": b} for i, b in enumerate(busy_d)]
+    )
+    decisions = list(getattr(sim.scheduler, "decisions", []) or [])
+    return SimResult(
+        config=cfg,
+        trace_name=sim.trace.name,
+        seed=sim.seed,
+        metrics=metrics,
+        requests=df,
+        timeline=_offered_timeline(sim, df),
+        nodes=nodes,
+        itl_values_s=itl_v,
+        itl_weights=itl_w,
+        decisions=decisions,
+    )

@@ -1,0 +1,110 @@
+"""Prefix caching over a trace's compact prefix identity.
+
+Every request names the earlier request whose input prefix it extends (``parent_id``) and how many
+leading tokens they share. Cutting inputs into pages of ``page_tokens``, page ``j`` of request ``r``
+is the *same* KV as page ``j`` of its parent when it lies wholly inside the shared prefix, and a new
+page otherwise. So a request's pages form a short list of **segments** ``(origin, first_page,
+end_page)``: runs of pages first computed by request ``origin``.
+
+A worker's cache holds, per origin, how far that origin's run is cached. Lookups walk the segments
+from the root, as a radix tree would, and stop at the first page that is missing. Eviction is LRU
+over origins; a lookup touches ancestors after descendants, so the least recently used entries are
+always leaves and a cached run never loses the pages under it (SGLang's radix cache evicts leaves
+first for the same reason).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from envs.request import Request
+
+Segment = tuple[int, int, int]
+"""(origin request id, first page, end page) — pages [first, end) were first computed by origin."""
+
+
+class PrefixIndex:
+    """Page segments of every request of one trace (built once, shared by all workers)."""
+
+    def __init__(self, requests: Sequence[Request], page_tokens: int = 256) -> None:
+        if page_tokens <= 0:
+            raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+        self.page_tokens = page_tokens
+        self._parent = [r.parent_id for r in requests]
+        self._shared_pages = [r.shared_prefix_tokens // page_tokens for r in requests]
+        self._pages = [r.input_tokens // page_tokens for r in requests]
+
+    def pages(self, request_id: int) -> int:
+        """Whole input pages of the request (a trailing partial page is never cached)."""
+        return self._pages[request_id]
+
+    def segments(self, request_id: int) -> list[Segment]:
+        """The request's page runs, root first."""
+        segs: list[Segment] = []
+        origin, end = request_id, self._pages[request_id]
+        while True:
+            parent = self._parent[origin]
+            first = min(self._shared_pages[origin], end) if parent >= 0 else 0
+            if end > first:
+                segs.append((origin, first, end))
+            if first == 0:
+                break
+            origin, end = parent, first
+        segs.reverse()
+        return segs
+
+
+class PrefixCache:
+    """One worker's LRU prefix cache, counted in pages."""
+
+    def __init__(self, index: PrefixIndex, capacity_pages: int) -> None:
+        self.index = index
+        self.capacity_pages = capacity_pages
+        self.used_pages = 0
+        self._cached_end: OrderedDict[int, int] = OrderedDict()
+        self._first: dict[int, int] = {}
+
+    def match_tokens(self, request_id: int, *, touch: bool = False) -> int:
+        """Leading input tokens of the request already cached here."""
+        matched = 0
+        hit: list[int] = []
+        for origin, first, end in self.index.segments(request_id):
+            cached_end = self._cached_end.get(origin)
+            if cached_end is None or self._first[origin] > first:
+                break
+            upto = min(cached_end, end)
+            matched += upto - first
+            hit.append(origin)
+            if upto < end:
+                break
+        if touch:
+            for origin in reversed(hit):
+                self._cached_end.move_to_end(origin)
+        return matched * self.index.page_tokens
+
+    def insert(self, request_id: int) -> None:
+        """Cache all of the request's input pages (after its prefill), evicting LRU runs as needed."""
+        segs = self.index.segments(request_id)
+        for origin, first, end in segs:
+            cached_end = self._cached_end.get(origin)
+            if cached_end is None:
+                self._cached_end[origin] = end
+                self._first[origin] = first
+                self.used_pages += end - first
+            elif end > cached_end:
+                self._cached_end[origin] = end
+                self.used_pages += end - cached_end
+        for origin, _, _ in reversed(segs):
+            self._cached_end.move_to_end(origin)
+        self.evict_to(self.capacity_pages, keep=segs[0][0] if segs else -1)
+
+    def evict_to(self, capacity_pages: int, keep: int = -1) -> None:
+        """Evict least recently used runs until at most ``capacity_pages`` are held."""
+        self.capacity_pages = capacity_pages
+        while self.used_pages > capacity_pages and self._cached_end:
+            origin, end = next(iter(self._cached_end.items()))
+            if origin == keep and len(self._cached_end) == 1:
+                break
+            del self._cached_end[origin]
+            self.used_pages -= end - self._first.pop(origin)

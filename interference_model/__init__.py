@@ -1,0 +1,1 @@
+"""interference_model."""

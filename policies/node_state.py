@@ -1,0 +1,52 @@
+"""What a decode node reports each control interval.
+
+Both the simulator (``envs``) and the SGLang side (``serving``) produce ``NodeState``; every node
+policy and the cluster scheduler consume it. Keep it plain numbers so it serialises to JSON as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """A decode node's live state at ``time_s``."""
+
+    node_id: int
+    time_s: float
+    decode_batch_size: int
+    """Requests in the running decode batch."""
+    context_tokens_mean: float
+    """Mean KV context (input + generated so far) of the running requests."""
+    context_tokens_std: float
+    """Spread of those contexts (population standard deviation)."""
+    remaining_output_tokens_mean: float
+    """Mean output tokens the running requests still have to generate (expected)."""
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    """KV tokens held now by running (and borrowed) requests."""
+    kv_reserved_tokens: int
+    """KV tokens promised to running requests' remaining output (admission reservation)."""
+    queued_decode_requests: int
+    """Requests waiting for admission to the decode batch."""
+    borrowed_tasks: int
+    """Borrowed prefill tasks queued or running on this node."""
+    borrowed_prefill_tokens_queued: int
+    """Uncomputed prefill tokens of those tasks."""
+    recent_step_time_s: float
+    """Mean iteration time over the last control interval (0 when idle)."""
+    decode_only_step_time_s: float
+    """Iteration time the current decode batch would take with no prefill mixed in."""
+    max_running_requests: int
+
+    @property
+    def kv_occupancy(self) -> float:
+        return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 1.0
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return max(0, self.kv_capacity_tokens - self.kv_used_tokens - self.kv_reserved_tokens)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)

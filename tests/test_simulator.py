@@ -1,0 +1,146 @@
+"""The PD cluster simulator: conservation, determinism, exact timing by hand, caching, retraction."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from envs.cluster_config import ClusterConfig, parse_shape
+from envs.metrics import expand_itl_segments, weighted_quantile
+from envs.prefix_cache import PrefixCache, PrefixIndex
+from envs.request import Request
+from envs.simulator import Simulator, simulate
+from tests.fakes import LinearCostModel, open_trace, session_trace
+
+
+def _cfg(**kw: object) -> ClusterConfig:
+    base: dict[str, object] = {"n_prefill": 1, "n_decode": 1, "page_tokens": 16, "prefill_chunk_tokens": 4096}
+    base.update(kw)
+    return ClusterConfig(**base)  # type: ignore[arg-type]
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("2P4D") == (2, 4)
+    assert parse_shape("4p2d") == (4, 2)
+    assert ClusterConfig.from_shape("1P5D").n_decode == 5
+    with pytest.raises(ValueError, match="2P4D"):
+        parse_shape("2x4")
+
+
+def test_single_request_timing_by_hand() -> None:
+    cm = LinearCostModel(base_s=0.01, per_prefill_token_s=1e-5, per_decode_request_s=0.0, transfer_s=0.005)
+    trace = open_trace([(1.0, 1000, 5)])
+    res = simulate(trace, _cfg(), cost_model=cm)  # type: ignore[arg-type]
+    row = res.requests.iloc[0]
+    prefill_s = 0.01 + 1000 * 1e-5
+    assert row["first_token_s"] == pytest.approx(1.0 + prefill_s + 0.005)
+    # tokens 2..5 come from four decode iterations of 0.01 s each
+    assert row["finish_s"] == pytest.approx(row["first_token_s"] + 4 * 0.01)
+    assert res.metrics.itl_mean_s == pytest.approx(0.01)
+    assert res.metrics.ttft_mean_s == pytest.approx(prefill_s + 0.005)
+
+
+def test_chunked_prefill_splits_long_prompt() -> None:
+    cm = LinearCostModel(base_s=0.01, per_prefill_token_s=1e-5, transfer_s=0.0)
+    res = simulate(open_trace([(0.0, 10_000, 1)]), _cfg(prefill_chunk_tokens=4096), cost_model=cm)  # type: ignore[arg-type]
+    # three chunks: 4096 + 4096 + 1808 -> three iteration overheads
+    assert res.requests.iloc[0]["first_token_s"] == pytest.approx(3 * 0.01 + 10_000 * 1e-5)
+
+
+def test_conservation_and_token_counts_closed_loop() -> None:
+    trace = session_trace(n_sessions=6, turns=5)
+    sim = Simulator(trace, ClusterConfig(n_prefill=2, n_decode=3, page_tokens=256), session_rate_per_s=2.0, seed=3)
+    res = sim.run()
+    assert res.metrics.n_finished == len(trace)
+    assert all(r.generated == r.output for r in sim.reqs)
+    df = res.requests
+    assert df["request_id"].is_unique and len(df) == len(trace)
+    assert (df["first_token_s"] >= df["arrival_s"]).all() and (df["finish_s"] >= df["first_token_s"]).all()
+    # closed loop: a turn arrives at least its think time after the previous turn finished
+    by_id = df.set_index("request_id")
+    for r in trace.requests:
+        if r.depends_on >= 0:
+            assert by_id.loc[r.request_id, "arrival_s"] >= by_id.loc[r.depends_on, "finish_s"] + r.think_time_s - 1e-9
+
+
+def test_same_seed_same_result_and_seed_matters() -> None:
+    trace = session_trace(n_sessions=8, turns=4)
+    cfg = ClusterConfig(n_prefill=1, n_decode=2, page_tokens=256)
+    a = simulate(trace, cfg, session_rate_per_s=1.0, seed=11).metrics
+    b = simulate(trace, cfg, session_rate_per_s=1.0, seed=11).metrics
+    c = simulate(trace, cfg, session_rate_per_s=1.0, seed=12).metrics
+    assert a == b
+    assert a != c
+
+
+def test_decode_jumps_are_exact() -> None:
+    """Simulating identical iterations as one jump gives the same token times as one by one."""
+    rng = np.random.default_rng(0)
+    rows = [(float(t), int(n), int(o)) for t, n, o in zip(np.sort(rng.uniform(0, 5, 40)),
+                                                           rng.integers(100, 3000, 40),
+                                                           rng.integers(1, 300, 40), strict=True)]
+    cm = LinearCostModel(per_context_token_s=1e-7, per_decode_request_s=2e-4)
+    cfg = _cfg(n_decode=2)
+    jumped = simulate(open_trace(rows), cfg, cost_model=cm)  # type: ignore[arg-type]
+    single = simulate(open_trace(rows), cfg.with_(max_decode_jump_iters=1), cost_model=cm)  # type: ignore[arg-type]
+    np.testing.assert_allclose(jumped.requests["finish_s"], single.requests["finish_s"], rtol=1e-9)
+    np.testing.assert_allclose(jumped.requests["first_token_s"], single.requests["first_token_s"], rtol=1e-9)
+    assert jumped.metrics.itl_p99_s == pytest.approx(single.metrics.itl_p99_s, rel=1e-9)
+    assert jumped.metrics.itl_mean_s == pytest.approx(single.metrics.itl_mean_s, rel=1e-9)
+
+
+def test_prefix_cache_hit_reduces_computed_tokens() -> None:
+    reqs = [
+        Request(0, 0, 0, 0.0, 1000, 2),
+        Request(1, 0, 1, 5.0, 1500, 2, parent_id=0, shared_prefix_tokens=1000),
+    ]
+    from envs.request import Trace
+
+    res = simulate(Trace("t", reqs), _cfg(page_tokens=16), cost_model=LinearCostModel())  # type: ignore[arg-type]
+    assert res.requests["cached_tokens"].tolist() == [0, 992]  # 62 whole pages of 16 tokens
+
+
+def test_prefix_cache_lru_evicts_leaves_first() -> None:
+    reqs = [
+        Request(0, 0, 0, 0.0, 64, 1),
+        Request(1, 0, 1, 0.0, 96, 1, parent_id=0, shared_prefix_tokens=64),
+        Request(2, 1, 0, 0.0, 64, 1),
+    ]
+    idx = PrefixIndex(reqs, page_tokens=16)
+    assert idx.segments(1) == [(0, 0, 4), (1, 4, 6)]
+    cache = PrefixCache(idx, capacity_pages=8)
+    cache.insert(1)  # caches request 0's 4 pages and request 1's 2 pages
+    assert cache.match_tokens(0) == 64 and cache.match_tokens(1) == 96
+    cache.insert(2)  # 4 more pages: over capacity by 2 -> the leaf run of request 1 goes first
+    assert cache.used_pages == 8
+    assert cache.match_tokens(1) == 64
+    assert cache.match_tokens(0) == 64
+
+
+def test_retraction_when_kv_runs_out_still_finishes_everything() -> None:
+    cm = LinearCostModel(kv_capacity_tokens=6000)
+    rows = [(0.0, 1000, 400) for _ in range(6)]
+    sim = Simulator(open_trace(rows), _cfg(decode_reserve_ratio=0.0, decode_prefix_cache=False), cost_model=cm)  # type: ignore[arg-type]
+    res = sim.run()
+    assert res.metrics.retractions > 0
+    assert res.metrics.n_finished == 6
+    assert all(r.generated == r.output for r in sim.reqs)
+
+
+def test_weighted_quantile_and_itl_expansion_by_hand() -> None:
+    values, weights = expand_itl_segments([(1.0, 0.5, 3, 2), (10.0, 0.0, 1, 1)])
+    assert values.tolist() == [1.0, 1.5, 2.0, 10.0]
+    assert weights.tolist() == [2, 2, 2, 1]
+    assert weighted_quantile(values, weights, 0.5) == 1.5
+    assert weighted_quantile(values, weights, 0.99) == 10.0
+    assert math.isnan(weighted_quantile(np.zeros(0), np.zeros(0), 0.5))
+
+
+def test_offered_ratio_timeline() -> None:
+    trace = open_trace([(0.0, 1000, 10), (30.0, 500, 10), (61.0, 200, 100)])
+    res = simulate(trace, _cfg(), cost_model=LinearCostModel())  # type: ignore[arg-type]
+    tl = res.timeline.set_index("minute")
+    assert tl.loc[0, "uncached_input_tokens"] == 1500 and tl.loc[0, "output_tokens"] == 20
+    assert tl.loc[1, "uncached_to_output"] == pytest.approx(2.0)
