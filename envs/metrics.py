@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,14 +16,19 @@ if TYPE_CHECKING:
     from envs.simulator import Simulator
 
 
-def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
-    """Quantile ``q`` in [0, 1] of ``values`` where value i occurs ``weights[i]`` times (inverted CDF)."""
+def weighted_quantiles(values: np.ndarray, weights: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """Quantiles ``qs`` in [0, 1] of ``values`` where value i occurs ``weights[i]`` times (inverted CDF)."""
     if len(values) == 0 or weights.sum() <= 0:
-        return math.nan
+        return [math.nan for _ in qs]
     order = np.argsort(values, kind="stable")
     v, cw = values[order], np.cumsum(weights[order])
-    idx = int(np.searchsorted(cw, q * cw[-1], side="left"))
-    return float(v[min(idx, len(v) - 1)])
+    idx = np.searchsorted(cw, np.asarray(qs) * cw[-1], side="left")
+    return [float(v[min(int(i), len(v) - 1)]) for i in idx]
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """Quantile ``q`` in [0, 1] of ``values`` where value i occurs ``weights[i]`` times (inverted CDF)."""
+    return weighted_quantiles(values, weights, [q])[0]
 
 
 def expand_itl_segments(segments: list[tuple[float, float, int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -167,6 +173,7 @@ def build_result(sim: Simulator) -> SimResult:
     busy_p = [w.busy_s / duration for w in sim.prefill]
     busy_d = [w.busy_s / duration for w in sim.decode]
     q = np.quantile
+    itl_p50, itl_p99 = weighted_quantiles(itl_v, itl_w, [0.5, 0.99])
     metrics = RunMetrics(
         n_requests=len(sim.reqs),
         n_finished=len(done),
@@ -177,8 +184,8 @@ def build_result(sim: Simulator) -> SimResult:
         ttft_p50_s=float(q(ttft, 0.5)) if len(ttft) else math.nan,
         ttft_p99_s=float(q(ttft, 0.99)) if len(ttft) else math.nan,
         itl_mean_s=itl_mean,
-        itl_p50_s=weighted_quantile(itl_v, itl_w, 0.5),
-        itl_p99_s=weighted_quantile(itl_v, itl_w, 0.99),
+        itl_p50_s=itl_p50,
+        itl_p99_s=itl_p99,
         e2e_mean_s=float(e2e.mean()) if len(e2e) else math.nan,
         e2e_p50_s=float(q(e2e, 0.5)) if len(e2e) else math.nan,
         e2e_p99_s=float(q(e2e, 0.99)) if len(e2e) else math.nan,

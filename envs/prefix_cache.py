@@ -27,31 +27,59 @@ Segment = tuple[int, int, int]
 class PrefixIndex:
     """Page segments of every request of one trace (built once, shared by all workers)."""
 
-    def __init__(self, requests: Sequence[Request], page_tokens: int = 256) -> None:
+    def __init__(self, requests: Sequence[Request], page_tokens: int = 256, memo_size: int = 16384) -> None:
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be positive, got {page_tokens}")
         self.page_tokens = page_tokens
         self._parent = [r.parent_id for r in requests]
         self._shared_pages = [r.shared_prefix_tokens // page_tokens for r in requests]
         self._pages = [r.input_tokens // page_tokens for r in requests]
+        self._memo: dict[int, tuple[Segment, ...]] = {}
+        self._memo_size = memo_size
 
     def pages(self, request_id: int) -> int:
         """Whole input pages of the request (a trailing partial page is never cached)."""
         return self._pages[request_id]
 
-    def segments(self, request_id: int) -> list[Segment]:
-        """The request's page runs, root first."""
-        segs: list[Segment] = []
-        origin, end = request_id, self._pages[request_id]
+    def segments(self, request_id: int) -> tuple[Segment, ...]:
+        """The request's page runs, root first.
+
+        A request's runs are its parent's runs cut at the shared prefix, plus its own new pages, so they
+        are built from the parent's (memoised for recently used requests: a session's next turn almost
+        always follows its parent closely).
+        """
+        memo = self._memo
+        found = memo.get(request_id)
+        if found is not None:
+            return found
+        chain = [request_id]  # walk up to a memoised ancestor or a root
         while True:
-            parent = self._parent[origin]
-            first = min(self._shared_pages[origin], end) if parent >= 0 else 0
-            if end > first:
-                segs.append((origin, first, end))
-            if first == 0:
+            parent = self._parent[chain[-1]]
+            if parent < 0 or self._shared_pages[chain[-1]] == 0 or parent in memo:
                 break
-            origin, end = parent, first
-        segs.reverse()
+            chain.append(parent)
+        segs: tuple[Segment, ...] = ()
+        for rid in reversed(chain):
+            end = self._pages[rid]
+            parent = self._parent[rid]
+            shared = min(self._shared_pages[rid], end) if parent >= 0 else 0
+            if shared > 0:
+                base = memo[parent] if parent in memo else segs
+                i = len(base)
+                while i and base[i - 1][1] >= shared:
+                    i -= 1
+                kept = list(base[:i])
+                if kept and kept[-1][2] > shared:
+                    origin, first, _ = kept[-1]
+                    kept[-1] = (origin, first, shared)
+                if end > shared:
+                    kept.append((rid, shared, end))
+                segs = tuple(kept)
+            else:
+                segs = ((rid, 0, end),) if end > 0 else ()
+            memo[rid] = segs
+        while len(memo) > self._memo_size:  # FIFO bound on memory
+            del memo[next(iter(memo))]
         return segs
 
 

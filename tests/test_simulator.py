@@ -109,7 +109,7 @@ def test_prefix_cache_lru_evicts_leaves_first() -> None:
         Request(2, 1, 0, 0.0, 64, 1),
     ]
     idx = PrefixIndex(reqs, page_tokens=16)
-    assert idx.segments(1) == [(0, 0, 4), (1, 4, 6)]
+    assert idx.segments(1) == ((0, 0, 4), (1, 4, 6))
     cache = PrefixCache(idx, capacity_pages=8)
     cache.insert(1)  # caches request 0's 4 pages and request 1's 2 pages
     assert cache.match_tokens(0) == 64 and cache.match_tokens(1) == 96
@@ -144,3 +144,28 @@ def test_offered_ratio_timeline() -> None:
     tl = res.timeline.set_index("minute")
     assert tl.loc[0, "uncached_input_tokens"] == 1500 and tl.loc[0, "output_tokens"] == 20
     assert tl.loc[1, "uncached_to_output"] == pytest.approx(2.0)
+
+
+def test_prefix_segments_match_a_naive_walk_on_a_random_forest() -> None:
+    rng = np.random.default_rng(5)
+    reqs: list[Request] = []
+    for i in range(400):
+        n_in = int(rng.integers(1, 5000))
+        parent = int(rng.integers(-1, i)) if i else -1
+        shared = int(rng.integers(0, min(n_in, reqs[parent].input_tokens) + 1)) if parent >= 0 else 0
+        reqs.append(Request(i, 0, i, 0.0, n_in, 1, parent_id=parent, shared_prefix_tokens=shared))
+    idx = PrefixIndex(reqs, page_tokens=64, memo_size=8)
+
+    def naive(rid: int) -> tuple[tuple[int, int, int], ...]:
+        segs, origin, end = [], rid, reqs[rid].input_tokens // 64
+        while True:
+            r = reqs[origin]
+            first = min(r.shared_prefix_tokens // 64, end) if r.parent_id >= 0 else 0
+            if end > first:
+                segs.append((origin, first, end))
+            if first == 0:
+                return tuple(reversed(segs))
+            origin, end = r.parent_id, first
+
+    for rid in list(range(400)) + [int(x) for x in rng.integers(0, 400, 400)]:
+        assert idx.segments(rid) == naive(rid)

@@ -1,0 +1,286 @@
+"""GPU and model catalog for the cost model.
+
+Two frozen dataclasses and two registries. ``GPUSpec`` holds public datasheet numbers (dense tensor
+throughput without sparsity, HBM size and bandwidth, NVLink bandwidth per direction) plus efficiency
+knobs fitted by ``envs.calibration`` to Vidur's H100 / A100 operator measurements. H200, B200 and GB300
+were never measured here: they reuse the H100 efficiency knobs (same software stack, same kind of
+tensor cores), so their timings are datasheet extrapolations. ``ModelSpec`` holds the architecture
+numbers the cost model needs; ``docs/cost_model.md`` lists the source of each entry.
+
+Look-ups are case-insensitive and accept aliases: ``get_gpu("h200")``, ``get_model("gpt-oss")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal, TypeVar
+
+Precision = Literal["bf16", "fp8", "fp4"]
+AttentionKind = Literal["gqa", "mla"]
+_Spec = TypeVar("_Spec")
+
+BYTES_PER_PARAM: dict[str, float] = {
+    "bf16": 2.0,
+    "fp8": 1.0,
+    # MXFP4: 4-bit values plus one 8-bit scale per 32 values = 4.25 bits.
+    "fp4": 4.25 / 8.0,
+}
+
+# --- Fitted by `python -m envs.calibration` on the shipped points (envs/data/calibration/). ---------
+# GEMM compute efficiency (fraction of peak dense throughput) as a function of the GEMM's M dimension
+# (rows per weight matrix), interpolated in log2(rows); flat outside the knots. Below ~128 rows the
+# measured BF16 GEMMs are bound by weight reads, so the data only bound the efficiency there; the fit
+# takes the highest value they allow and keeps the curve non-decreasing (see envs/calibration.py).
+_H100_GEMM_TOKENS: tuple[int, ...] = (1, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
+_H100_GEMM_EFFICIENCY: tuple[float, ...] = (
+    0.35, 0.35, 0.35, 0.35, 0.35, 0.435, 0.505, 0.615, 0.615, 0.615, 0.73, 0.73, 0.73)
+_A100_GEMM_TOKENS: tuple[int, ...] = (
+    1, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192, 16384, 32768)
+_A100_GEMM_EFFICIENCY: tuple[float, ...] = (
+    0.155, 0.155, 0.155, 0.31, 0.48, 0.52, 0.655, 0.675, 0.7, 0.7, 0.7, 0.755, 0.755, 0.755, 0.755, 0.765)
+# Attention was measured on A100 only (Vidur e2d00e9); every GPU uses these efficiencies.
+_ATTENTION_KNOBS: dict[str, float] = {
+    "attention_prefill_launch_s": 5.186e-06,
+    "attention_prefill_row_s": 4.226e-09,
+    "attention_prefill_efficiency": 0.4175,
+    "attention_decode_launch_s": 1.279e-05,
+    "attention_decode_per_request_s": 0.0,
+    "attention_decode_memory_efficiency": 0.7581,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GPUSpec:
+    """One accelerator. Throughputs are dense (no 2:4 sparsity), per GPU."""
+
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float
+    """0 where the tensor cores have no FP8 path (A100)."""
+    fp4_tflops: float
+    """0 where the tensor cores have no FP4 path (Hopper and older)."""
+    hbm_gb: float
+    """HBM per GPU in decimal GB as the datasheet states it (conservative: 80 GB is 80e9 bytes)."""
+    hbm_tb_per_s: float
+    nvlink_gb_per_s: float
+    """NVLink bandwidth per direction per GPU (half the datasheet's bidirectional figure)."""
+    # Efficiency knobs, fitted by envs.calibration (see docs/cost_model.md for the fit and its error).
+    gemm_efficiency_tokens: tuple[int, ...] = _H100_GEMM_TOKENS
+    gemm_efficiency: tuple[float, ...] = _H100_GEMM_EFFICIENCY
+    memory_efficiency: float = 0.87
+    """Fraction of HBM bandwidth a weight-streaming GEMM reaches."""
+    kernel_launch_s: float = 3.6e-6
+    """Fixed cost added to every GEMM (launch, tail of the previous kernel)."""
+    elementwise_memory_efficiency: float = 0.5
+    """Fraction of HBM bandwidth reached by norms, rotary, activation and residual adds."""
+    elementwise_launch_s: float = 1.5e-5
+    """Fixed cost of those element-wise kernels per layer."""
+    attention_prefill_efficiency: float = 0.5
+    """Fraction of the BF16 peak reached by prefill (flash) attention."""
+    attention_prefill_launch_s: float = 1.0e-5
+    attention_prefill_row_s: float = 4.0e-9
+    """Prefill attention cost per new token per query head on a GPU (per layer)."""
+    attention_decode_memory_efficiency: float = 0.6
+    """Fraction of HBM bandwidth reached by the paged decode-attention KV read."""
+    attention_decode_launch_s: float = 8.0e-6
+    attention_decode_per_request_s: float = 5.0e-8
+    allreduce_latency_s: float = 2.0e-5
+    """Fixed cost of one all-reduce (per call)."""
+    allreduce_bus_efficiency: float = 0.75
+    """Ring bus bandwidth reached, as a fraction of ``nvlink_gb_per_s``."""
+    measured: bool = False
+    """True when the knobs were fitted on this GPU's own measurements (H100, A100)."""
+
+    def peak_flops_per_s(self, precision: Precision) -> float:
+        """Tensor-core peak for weights stored at ``precision``; BF16 where the GPU lacks that path.
+
+        Weight-only quantisation is how FP4/FP8 checkpoints run on GPUs without those tensor-core
+        paths (e.g. MXFP4 gpt-oss on Hopper: weights dequantised, math in BF16).
+        """
+        native = {"fp4": self.fp4_tflops, "fp8": self.fp8_tflops, "bf16": self.bf16_tflops}[precision]
+        tflops = native if native > 0 else self.bf16_tflops
+        if tflops <= 0:
+            raise ValueError(f"GPU {self.name!r} has no BF16 throughput set")
+        return tflops * 1e12
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.hbm_gb * 1e9
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.hbm_tb_per_s * 1e12
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Architecture numbers of one decoder-only transformer (per the model's published config)."""
+
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    """Query/key head dimension (MLA: nope + rope part)."""
+    intermediate: int
+    """Dense FFN intermediate size (0 when every layer is MoE)."""
+    vocab: int
+    total_params_b: float
+    """Published total parameter count in billions (checked against our count in tests/docs)."""
+    v_head_dim: int = 0
+    """Value head dimension; 0 means ``head_dim``."""
+    experts: int = 0
+    """Routed experts per MoE layer (0 = dense model)."""
+    active_experts: int = 0
+    """Routed experts per token (top-k)."""
+    expert_intermediate: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    """Leading layers with a dense FFN of ``intermediate`` size in an MoE model (GLM's
+    ``first_k_dense_replace``). Ignored for dense models, where every layer is dense."""
+    gated_mlp: bool = True
+    weight_precision: Precision = "bf16"
+    """Precision of the FFN / expert weights (the bulk of the parameters)."""
+    dense_precision: Precision = "bf16"
+    """Precision of attention projections, embeddings and LM head."""
+    kv_precision: Precision = "bf16"
+    attention: AttentionKind = "gqa"
+    kv_lora_rank: int = 0
+    """MLA only: width of the compressed (latent) KV cache."""
+    q_lora_rank: int = 0
+    """MLA only: width of the compressed query (0 = full-rank query projection)."""
+    rope_head_dim: int = 0
+    """MLA only: decoupled rotary key width stored next to the latent."""
+    sliding_window_layers: int = 0
+    sliding_window_tokens: int = 0
+    tied_embeddings: bool = False
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def full_attention_layers(self) -> int:
+        return self.layers - self.sliding_window_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.is_moe else 0
+
+
+def _gpu(name: str, bf16: float, fp8: float, fp4: float, hbm_gb: float, hbm_tb_s: float,
+         nvlink_gb_s: float, **knobs: object) -> GPUSpec:
+    return GPUSpec(name, bf16, fp8, fp4, hbm_gb, hbm_tb_s, nvlink_gb_s, **knobs)  # type: ignore[arg-type]
+
+
+_H100_KNOBS: dict[str, object] = {
+    "gemm_efficiency_tokens": _H100_GEMM_TOKENS,
+    "gemm_efficiency": _H100_GEMM_EFFICIENCY,
+    "memory_efficiency": 0.8672,
+    "kernel_launch_s": 3.467e-06,
+    "elementwise_launch_s": 1.446e-05,
+    "elementwise_memory_efficiency": 0.7006,
+    "allreduce_latency_s": 2.159e-05,
+    "allreduce_bus_efficiency": 0.7093,
+    **_ATTENTION_KNOBS,
+}
+_A100_KNOBS: dict[str, object] = {
+    "gemm_efficiency_tokens": _A100_GEMM_TOKENS,
+    "gemm_efficiency": _A100_GEMM_EFFICIENCY,
+    "memory_efficiency": 0.7794,
+    "kernel_launch_s": 4.524e-06,
+    "elementwise_launch_s": 1.734e-05,
+    "elementwise_memory_efficiency": 0.5851,
+    "allreduce_latency_s": 2.719e-05,
+    "allreduce_bus_efficiency": 0.4928,
+    **_ATTENTION_KNOBS,
+}
+
+GPUS: dict[str, GPUSpec] = {
+    # NVIDIA A100 SXM4 80GB datasheet: 312 TF BF16 dense, 2,039 GB/s, NVLink 600 GB/s bidirectional.
+    "A100": _gpu("A100", 312.0, 0.0, 0.0, 80.0, 2.039, 300.0, measured=True, **_A100_KNOBS),
+    # NVIDIA H100 SXM5 datasheet: 989 TF BF16 / 1,979 TF FP8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
+    "H100": _gpu("H100", 989.0, 1979.0, 0.0, 80.0, 3.35, 450.0, measured=True, **_H100_KNOBS),
+    # NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+    "H200": _gpu("H200", 989.0, 1979.0, 0.0, 141.0, 4.8, 450.0, **_H100_KNOBS),
+    # NVIDIA HGX B200 datasheet (per GPU, dense = half the sparse figure): 2.25 PF BF16, 4.5 PF FP8,
+    # 9 PF FP4, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional.
+    "B200": _gpu("B200", 2250.0, 4500.0, 9000.0, 180.0, 8.0, 900.0, **_H100_KNOBS),
+    # NVIDIA GB300 NVL72 datasheet / 72 GPUs: 15 PF FP4 dense, FP8 5 PF and BF16 2.5 PF dense
+    # (half of the listed sparse figures), 288 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional.
+    "GB300": _gpu("GB300", 2500.0, 5000.0, 15000.0, 288.0, 8.0, 900.0, **_H100_KNOBS),
+}
+_GPU_ALIASES: dict[str, str] = {
+    "a100-80gb": "A100", "a100-sxm": "A100", "h100-sxm": "H100", "h100-80gb": "H100",
+    "h200-sxm": "H200", "hgx-b200": "B200", "gb300-nvl72": "GB300", "b300": "GB300",
+}
+
+MODELS: dict[str, ModelSpec] = {m.name.lower(): m for m in (
+    # openai/gpt-oss-120b config.json: MXFP4 experts, BF16 attention, alternating 128-token sliding window.
+    ModelSpec("gpt-oss-120b", layers=36, hidden=2880, q_heads=64, kv_heads=8, head_dim=64, intermediate=0,
+              vocab=201088, total_params_b=116.8, experts=128, active_experts=4, expert_intermediate=2880,
+              weight_precision="fp4", sliding_window_layers=18, sliding_window_tokens=128,
+              aliases=("gpt-oss", "openai/gpt-oss-120b")),
+    # zai-org/GLM-5 (744B total, ~40B active): MLA + DeepSeek-style MoE, served from its FP8 checkpoint.
+    # Shapes as in transformers' GlmMoeDsaConfig defaults (documented there as GLM-5's configuration).
+    ModelSpec("GLM-5", layers=78, hidden=6144, q_heads=64, kv_heads=64, head_dim=256, v_head_dim=256,
+              intermediate=12288, vocab=154880, total_params_b=744.0, experts=256, active_experts=8,
+              expert_intermediate=2048, shared_experts=1, dense_layers=3, weight_precision="fp8",
+              dense_precision="fp8", attention="mla", kv_lora_rank=512, q_lora_rank=2048, rope_head_dim=64,
+              aliases=("glm5", "glm-5.2", "zai-org/glm-5", "zai-org/glm-5-fp8")),
+    # zai-org/GLM-4.5-Air config.json (106B total, 12B active).
+    ModelSpec("GLM-4.5-Air", layers=46, hidden=4096, q_heads=96, kv_heads=8, head_dim=128, intermediate=10944,
+              vocab=151552, total_params_b=106.0, experts=128, active_experts=8, expert_intermediate=1408,
+              shared_experts=1, dense_layers=1, aliases=("glm-4.5-air", "zai-org/glm-4.5-air")),
+    ModelSpec("Llama-3.1-8B", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128,
+              intermediate=14336, vocab=128256, total_params_b=8.03,
+              aliases=("meta-llama/llama-3.1-8b-instruct", "llama3.1-8b")),
+    ModelSpec("Llama-3.1-70B", layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128,
+              intermediate=28672, vocab=128256, total_params_b=70.6,
+              aliases=("meta-llama/llama-3.1-70b-instruct", "llama3.1-70b")),
+    ModelSpec("Qwen3-30B-A3B", layers=48, hidden=2048, q_heads=32, kv_heads=4, head_dim=128, intermediate=0,
+              vocab=151936, total_params_b=30.5, experts=128, active_experts=8, expert_intermediate=768,
+              aliases=("qwen/qwen3-30b-a3b",)),
+    # The shapes Vidur profiled (calibration only).
+    ModelSpec("Llama-2-7b-hf", layers=32, hidden=4096, q_heads=32, kv_heads=32, head_dim=128,
+              intermediate=11008, vocab=32000, total_params_b=6.74, aliases=("llama-2-7b",)),
+    ModelSpec("Llama-2-70b-hf", layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128,
+              intermediate=28672, vocab=32000, total_params_b=69.0, aliases=("llama-2-70b",)),
+    ModelSpec("CodeLlama-34b-Instruct-hf", layers=48, hidden=8192, q_heads=64, kv_heads=8, head_dim=128,
+              intermediate=22016, vocab=32000, total_params_b=33.7, aliases=("codellama-34b",)),
+    ModelSpec("Meta-Llama-3-8B", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128,
+              intermediate=14336, vocab=128256, total_params_b=8.03, aliases=("llama-3-8b",)),
+    ModelSpec("Meta-Llama-3-70B", layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128,
+              intermediate=28672, vocab=128256, total_params_b=70.6, aliases=("llama-3-70b",)),
+)}
+
+
+def _lookup(registry: dict[str, _Spec], aliases: dict[str, str], name: str, kind: str) -> _Spec:
+    key = name.strip().lower()
+    key = aliases.get(key, key).lower()
+    for registered, spec in registry.items():
+        if registered.lower() == key:
+            return spec
+    raise KeyError(f"unknown {kind} {name!r}; choices: {', '.join(sorted(registry, key=str.lower))}")
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """The GPU called ``name`` (case-insensitive, aliases such as ``h100-sxm`` accepted)."""
+    return _lookup(GPUS, {k.lower(): v for k, v in _GPU_ALIASES.items()}, name, "GPU")
+
+
+def get_model(name: str) -> ModelSpec:
+    """The model called ``name`` (case-insensitive; HF ids such as ``openai/gpt-oss-120b`` accepted)."""
+    aliases = {a.lower(): m.name for m in MODELS.values() for a in m.aliases}
+    return _lookup(MODELS, aliases, name, "model")
+
+
+def with_knobs(gpu: GPUSpec, **knobs: object) -> GPUSpec:
+    """A copy of ``gpu`` with some efficiency knobs replaced (used by calibration and sweeps)."""
+    return replace(gpu, **knobs)  # type: ignore[arg-type]
