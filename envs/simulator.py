@@ -693,7 +693,8 @@ class Simulator:
 
     def _finish(self, w: _DecodeWorker, req: _Req) -> None:
         req.finish_s = self.now_s
-        w.running.remove(req)
+        if req in w.running:  # a borrowed one-token request finishes straight from its prefill
+            w.running.remove(req)
         w.kv_used -= req.context
         w.kv_reserved -= req.reserve_left
         req.reserve_left = 0
