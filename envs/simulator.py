@@ -715,9 +715,10 @@ class Simulator:
         running = [r for r in w.running if not r.needs_recompute]
         n = len(running)
         if n:
-            ctx = np.fromiter((r.context for r in running), dtype=np.float64, count=n)
+            ctx_sum = sum(r.context for r in running)
+            ctx_mean = ctx_sum / n
+            ctx_std = math.sqrt(max(0.0, sum(r.context * r.context for r in running) / n - ctx_mean * ctx_mean))
             rem = sum(r.output - r.generated for r in running) / n
-            ctx_mean, ctx_std = float(ctx.mean()), float(ctx.std())
         else:
             ctx_mean = ctx_std = rem = 0.0
         decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n)) if n else 0.0

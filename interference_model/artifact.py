@@ -1,0 +1,258 @@
+"""Versioned artifacts: a folder with ``model.txt`` (LightGBM text) and ``metadata.json``.
+
+The metadata records what a consumer must agree with before trusting a prediction: the feature
+names and order, the ITL target, hardware / model / TP, the conformal shift, the SHA-256 of the
+training profiles and of ``model.txt``, library versions, metrics, and the command that produced it.
+:func:`load_predictor` checks all of that and fails with :class:`ArtifactError` naming the file.
+
+Writes are crash-safe per file (temp file + rename), and ``metadata.json`` is written last and
+carries the model's hash, so a half-written artifact fails to load instead of loading wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightgbm as lgb
+import numpy as np
+import pandas as pd
+
+from interference_model.fit import MODEL_FEATURES, ConformalShift, FitResult
+from interference_model.labels import ItlTarget
+from interference_model.predictor import SafeThroughputPredictor
+from interference_model.schema import FEATURES, PROFILE_SCHEMA_VERSION
+
+ARTIFACT_FORMAT_VERSION = 1
+MODEL_FILE = "model.txt"
+METADATA_FILE = "metadata.json"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEFAULT_ITL_TARGET = "1.5x|25ms"
+"""ITL target of the shipped artifacts: a mixed step may take 1.5x the node's decode-only step, or
+25 ms (half of the default 50 ms ITL SLO) when that is looser."""
+
+
+class ArtifactError(ValueError):
+    """A missing, corrupt or mismatched interference-model artifact."""
+
+
+def artifact_slug(gpu: str, model: str, tp: int) -> str:
+    """Folder name of a shipped default artifact, e.g. ``h200_gpt-oss-120b_tp1``."""
+    return f"{gpu}_{model}_tp{tp}".lower().replace("/", "-").replace(" ", "-")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; artifacts are shipped and shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def library_versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "lightgbm": lgb.__version__,
+        "numpy": np.__version__,
+        "pandas": pd.__version__,
+    }
+
+
+def save_artifact(
+    path: str | os.PathLike[str],
+    fit: FitResult,
+    *,
+    itl_target: ItlTarget,
+    hardware: str,
+    model: str,
+    tp: int,
+    data_sha256: str,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``fit`` as an artifact folder at ``path`` (created if needed) and return it.
+
+    ``extra`` is merged into the metadata (e.g. ``command``, ``cached_prefix_tokens``,
+    ``heldout_metrics``); it may not override the keys this function sets.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model_text = fit.booster.model_to_string()
+    meta: dict[str, Any] = {
+        "format_version": ARTIFACT_FORMAT_VERSION,
+        "profile_schema_version": PROFILE_SCHEMA_VERSION,
+        "features": list(FEATURES),
+        "model_features": list(MODEL_FEATURES),
+        "target_transform": "log1p",
+        "itl_target": {
+            "kind": itl_target.kind,
+            "value": itl_target.value,
+            "floor_ms": itl_target.floor_ms,
+            "spec": str(itl_target),
+        },
+        "hardware": hardware,
+        "model": model,
+        "tp": int(tp),
+        "shift_batch_edges": list(fit.shift.batch_edges),
+        "log_shifts": list(fit.shift.log_shifts),
+        "monotone_constraints": list(fit.monotone_constraints),
+        "fit_config": {k: getattr(fit.config, k) for k in fit.config.__dataclass_fields__},
+        "cv_metrics": fit.cv_metrics,
+        "feature_importance_gain": fit.feature_importance(),
+        "n_trees": fit.booster.num_trees(),
+        "data_sha256": data_sha256,
+        "model_sha256": hashlib.sha256(model_text.encode()).hexdigest(),
+        "library_versions": library_versions(),
+    }
+    for key, value in (extra or {}).items():
+        if key in meta:
+            raise ValueError(f"save_artifact: extra key {key!r} would override a recorded field")
+        meta[key] = value
+    _write_atomic(out / MODEL_FILE, model_text)
+    _write_atomic(out / METADATA_FILE, json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    return out
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``metadata.json`` of an artifact folder, with required keys checked."""
+    meta_path = Path(path) / METADATA_FILE
+    if not meta_path.is_file():
+        raise ArtifactError(f"{meta_path}: missing (not an interference-model artifact folder?)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{meta_path}: corrupt JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"{meta_path}: expected a JSON object")
+    required = (
+        "format_version",
+        "features",
+        "model_features",
+        "itl_target",
+        "hardware",
+        "model",
+        "tp",
+        "shift_batch_edges",
+        "log_shifts",
+        "model_sha256",
+    )
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise ArtifactError(f"{meta_path}: missing field(s) {missing}")
+    if meta["format_version"] != ARTIFACT_FORMAT_VERSION:
+        raise ArtifactError(
+            f"{meta_path}: field 'format_version' is {meta['format_version']!r}; this code "
+            f"reads version {ARTIFACT_FORMAT_VERSION}"
+        )
+    return meta
+
+
+def _check(meta_path: Path, field: str, have: Any, want: Any) -> None:
+    if want is not None and have != want:
+        raise ArtifactError(f"{meta_path}: field {field!r} is {have!r}, but the caller expects {want!r}")
+
+
+def load_predictor(
+    path: str | os.PathLike[str],
+    *,
+    gpu: str | None = None,
+    model: str | None = None,
+    tp: int | None = None,
+    itl_target: ItlTarget | str | None = None,
+) -> SafeThroughputPredictor:
+    """Load an artifact folder as a :class:`SafeThroughputPredictor`.
+
+    Every expectation given (``gpu``, ``model``, ``tp``, ``itl_target`` as an :class:`ItlTarget` or a
+    spec like ``"1.5x"``) must match the metadata (names case-insensitively); the feature list must
+    equal this code's ``FEATURES`` and the model file its recorded SHA-256. Raises :class:`ArtifactError`.
+    """
+    folder = Path(path)
+    meta = read_metadata(folder)
+    meta_path = folder / METADATA_FILE
+    _check(meta_path, "features", meta["features"], list(FEATURES))
+    _check(meta_path, "model_features", meta["model_features"], list(MODEL_FEATURES))
+    _check(meta_path, "hardware", str(meta["hardware"]).lower(), gpu.lower() if gpu else None)
+    _check(meta_path, "model", str(meta["model"]).lower(), model.lower() if model else None)
+    _check(meta_path, "tp", meta["tp"], tp)
+    if itl_target is not None:
+        want = ItlTarget.parse(itl_target) if isinstance(itl_target, str) else itl_target
+        have = meta["itl_target"]
+        _check(
+            meta_path,
+            "itl_target",
+            (have.get("kind"), float(have.get("value", "nan")), float(have.get("floor_ms", 0.0))),
+            (want.kind, want.value, want.floor_ms),
+        )
+    model_path = folder / MODEL_FILE
+    if not model_path.is_file():
+        raise ArtifactError(f"{model_path}: missing")
+    model_bytes = model_path.read_bytes()
+    digest = hashlib.sha256(model_bytes).hexdigest()
+    if digest != meta["model_sha256"]:
+        raise ArtifactError(
+            f"{model_path}: corrupt or replaced (SHA-256 {digest[:12]}... differs from the "
+            f"metadata's {str(meta['model_sha256'])[:12]}...)"
+        )
+    try:
+        booster = lgb.Booster(model_str=model_bytes.decode("utf-8"))
+        shift = ConformalShift(
+            tuple(float(e) for e in meta["shift_batch_edges"]), tuple(float(v) for v in meta["log_shifts"])
+        )
+        return SafeThroughputPredictor(booster.dump_model(), shift, meta)
+    except (lgb.basic.LightGBMError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{model_path}: cannot be compiled into a predictor ({exc})") from exc
+
+
+def load_booster(path: str | os.PathLike[str]) -> lgb.Booster:
+    """The raw LightGBM booster of an artifact (for analysis; the hot path uses :func:`load_predictor`)."""
+    return lgb.Booster(model_file=str(Path(path) / MODEL_FILE))
+
+
+def default_predictor(gpu: str = "H200", model: str = "gpt-oss-120b", tp: int = 1) -> SafeThroughputPredictor:
+    """The shipped artifact for ``gpu`` x ``model`` x ``tp`` (``interference_model/data/``)."""
+    folder = DATA_DIR / artifact_slug(gpu, model, tp)
+    if not folder.is_dir():
+        have = sorted(p.name for p in DATA_DIR.iterdir() if p.is_dir()) if DATA_DIR.is_dir() else []
+        raise ArtifactError(
+            f"no shipped interference model for {gpu}/{model}/tp{tp} (have {have}); "
+            "fit one with `crossflow fit-interference`"
+        )
+    return load_predictor(folder, gpu=gpu, model=model, tp=tp)
+
+
+def log_artifact_to_wandb(
+    path: str | os.PathLike[str], *, project: str = "crossflow", name: str | None = None
+) -> bool:
+    """Log an artifact folder to W&B (offline unless ``WANDB_MODE`` says otherwise); never needs a login.
+
+    Returns False (with a message on stderr) when wandb is not importable or logging fails.
+    """
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        import wandb
+    except ImportError:
+        print("wandb is not installed; skipping artifact logging", file=sys.stderr)
+        return False
+    folder = Path(path)
+    meta = read_metadata(folder)
+    art_name = name or f"interference-{artifact_slug(meta['hardware'], meta['model'], meta['tp'])}"
+    try:
+        run = wandb.init(project=project, job_type="fit-interference", config={"artifact": meta}, reinit=True)
+        artifact = wandb.Artifact(art_name, type="interference-model", metadata=meta)
+        artifact.add_dir(str(folder))
+        run.log_artifact(artifact)
+        run.finish()
+    except Exception as exc:  # W&B has many failure modes (disk, network in online mode); none is fatal here
+        print(f"wandb logging failed, artifact kept locally only: {exc}", file=sys.stderr)
+        return False
+    return True

@@ -1,0 +1,242 @@
+"""Fit the conservative LightGBM model of safe prefill throughput from labelled node states.
+
+The model regresses ``log1p(safe_prefill_tokens_per_s)`` (so errors are relative, which is what MAPE
+and the "unsafe" criterion measure) with LightGBM, conservative twice over:
+
+1. monotone constraints where the physics is monotone (below), which keep noise from carving
+   physically impossible bumps that would over-promise in some region;
+2. a split-conformal shift: from out-of-fold (grouped K-fold) predictions, the smallest log-shift
+   ``s`` such that at most ``unsafe_target`` of states get ``prediction > (1 + unsafe_margin) * true``.
+   The shift is applied as ``expm1(raw - s)``; it may be negative when the model alone is more
+   conservative than needed, which buys accuracy back at the same safety. It is *Mondrian*: one
+   shift per decode-batch-size bin (``shift_batch_edges``), because label noise and model error
+   differ a lot between regions (largest where the MoE step time has its knee), and one global
+   shift would make every region pay for the worst one. A bin with fewer than
+   ``min_states_per_shift_bin`` states uses the global shift.
+
+A quantile objective (``quantile_alpha``) is available instead of L2, but LightGBM refuses monotone
+constraints with it (it re-fits leaf values after the split search), so it needs ``monotone=False``.
+
+Monotone constraints encode physics that holds for the label: with the KV-headroom cap, safe
+throughput never rises with KV occupancy or remaining output; with an *absolute* ITL target it never
+rises with batch size or mean context either (more decode work leaves less time). With a *ratio*
+target the budget grows with the decode step itself, so batch and context are left free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import lightgbm as lgb
+import numpy as np
+import pandas as pd
+
+from interference_model.labels import LABEL, ItlTarget
+from interference_model.metrics import accuracy_metrics
+from interference_model.schema import FEATURES
+
+
+@dataclass(frozen=True, slots=True)
+class FitConfig:
+    """Hyper-parameters of :func:`fit_interference_model`; each field is recorded in the artifact."""
+
+    quantile_alpha: float | None = None
+    """Quantile objective level; ``None`` fits the conditional mean (L2). Needs ``monotone=False``."""
+    unsafe_target: float | None = 0.02
+    """Out-of-fold share of unsafe predictions the conformal shift allows; ``None``: no shift."""
+    unsafe_margin: float = 0.05
+    """A prediction is unsafe when it exceeds the true value by more than this fraction."""
+    shift_batch_edges: tuple[float, ...] = (4, 8, 16, 24, 32, 48, 64, 128)
+    """Decode-batch-size bin edges of the Mondrian conformal shift; ``()`` for one global shift."""
+    min_states_per_shift_bin: int = 200
+    num_boost_round: int = 100
+    """Few, larger trees: the fast predictor's batch cost grows with the tree count."""
+    learning_rate: float = 0.15
+    num_leaves: int = 31
+    min_data_in_leaf: int = 10
+    n_folds: int = 5
+    monotone: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.quantile_alpha is not None and self.monotone:
+            raise ValueError(
+                "FitConfig: LightGBM cannot combine a quantile objective with monotone "
+                "constraints; set monotone=False or quantile_alpha=None"
+            )
+        if self.quantile_alpha is not None and not 0 < self.quantile_alpha < 1:
+            raise ValueError(f"FitConfig.quantile_alpha must lie in (0, 1), got {self.quantile_alpha}")
+        if self.unsafe_target is not None and not 0 < self.unsafe_target < 1:
+            raise ValueError(f"FitConfig.unsafe_target must lie in (0, 1), got {self.unsafe_target}")
+
+    def lgb_params(self, monotone_constraints: tuple[int, ...]) -> dict[str, object]:
+        params: dict[str, object] = {
+            "objective": "quantile" if self.quantile_alpha is not None else "regression",
+            "learning_rate": self.learning_rate,
+            "num_leaves": self.num_leaves,
+            "min_data_in_leaf": self.min_data_in_leaf,
+            "seed": self.seed,
+            "deterministic": True,
+            "force_row_wise": True,
+            "num_threads": 1,
+            "verbose": -1,
+        }
+        if self.quantile_alpha is not None:
+            params["alpha"] = self.quantile_alpha
+        if any(monotone_constraints):
+            params["monotone_constraints"] = list(monotone_constraints)
+            params["monotone_constraints_method"] = "advanced"
+        return params
+
+
+MODEL_FEATURES: tuple[str, ...] = (*FEATURES, "context_tokens_sum")
+"""What the trees see: ``FEATURES`` plus derived columns (:func:`model_inputs`). The decode step time
+grows with the batch's total context, a product that axis-aligned splits approximate poorly."""
+
+
+def model_inputs(X: np.ndarray) -> np.ndarray:
+    """``(n, len(FEATURES))`` node states -> ``(n, len(MODEL_FEATURES))`` tree inputs."""
+    X = np.asarray(X, dtype=float)
+    if X.ndim != 2 or X.shape[1] != len(FEATURES):
+        raise ValueError(
+            f"expected an (n, {len(FEATURES)}) array in FEATURES order {FEATURES}, got {X.shape}"
+        )
+    return np.column_stack([X, X[:, 0] * X[:, 1]])
+
+
+def physical_monotone_constraints(itl_target: ItlTarget) -> tuple[int, ...]:
+    """-1 (non-increasing) / 0 (free) per column of ``MODEL_FEATURES``; see the module docstring."""
+    absolute = itl_target.kind == "absolute_ms"
+    by_name = {
+        "decode_batch_size": -1 if absolute else 0,
+        "context_tokens_mean": -1 if absolute else 0,
+        "context_tokens_std": 0,
+        "remaining_output_tokens_mean": -1,
+        "kv_occupancy": -1,
+        "context_tokens_sum": -1 if absolute else 0,
+    }
+    return tuple(by_name[f] for f in MODEL_FEATURES)
+
+
+def group_kfold(groups: np.ndarray, n_folds: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train_idx, test_idx) pairs; every group lands wholly in one test fold. Shuffled by ``seed``."""
+    unique = np.unique(groups)
+    if len(unique) < n_folds:
+        raise ValueError(f"need at least {n_folds} state groups for {n_folds}-fold CV, have {len(unique)}")
+    fold_of_group = np.random.default_rng(seed).permutation(len(unique)) % n_folds
+    fold = fold_of_group[np.searchsorted(unique, groups)]
+    return [(np.flatnonzero(fold != k), np.flatnonzero(fold == k)) for k in range(n_folds)]
+
+
+def conformal_log_shift(
+    raw_log_pred: np.ndarray, y_true: np.ndarray, unsafe_target: float, unsafe_margin: float
+) -> float:
+    """Smallest ``s`` with share(expm1(raw - s) > (1 + margin) * y) <= unsafe_target (finite-sample
+    corrected quantile of the per-state excess ``raw - log1p((1 + margin) * y)``)."""
+    excess = np.sort(raw_log_pred - np.log1p((1.0 + unsafe_margin) * y_true))
+    n = len(excess)
+    # Allowed unsafe count k: the shift must clear all but the k largest excesses.
+    k = int(np.floor(unsafe_target * (n + 1))) - 1
+    k = min(max(k, 0), n - 1)
+    return float(excess[n - 1 - k])
+
+
+@dataclass(frozen=True, slots=True)
+class ConformalShift:
+    """Per-batch-bin log shifts: bin ``k`` holds batches in ``[edges[k-1], edges[k])``."""
+
+    batch_edges: tuple[float, ...]
+    log_shifts: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.log_shifts) != len(self.batch_edges) + 1:
+            raise ValueError("ConformalShift needs exactly one more shift than batch edges")
+
+    def for_batch(self, decode_batch_size: np.ndarray) -> np.ndarray:
+        idx = np.searchsorted(np.asarray(self.batch_edges, dtype=float), decode_batch_size, side="right")
+        return np.asarray(self.log_shifts)[idx]
+
+
+def mondrian_shift(
+    raw_log_pred: np.ndarray, y_true: np.ndarray, batch: np.ndarray, config: FitConfig, mono_batch: int
+) -> ConformalShift:
+    """Conformal shift per batch bin (see the module docstring). When safe throughput is constrained
+    non-increasing in batch size, the shifts are made non-decreasing in batch so the shifted model
+    keeps that property."""
+    assert config.unsafe_target is not None
+    glob = conformal_log_shift(raw_log_pred, y_true, config.unsafe_target, config.unsafe_margin)
+    edges = tuple(float(e) for e in config.shift_batch_edges)
+    bins = np.searchsorted(np.asarray(edges), batch, side="right")
+    shifts = np.full(len(edges) + 1, glob)
+    for k in range(len(edges) + 1):
+        m = bins == k
+        if m.sum() >= config.min_states_per_shift_bin:
+            shifts[k] = conformal_log_shift(
+                raw_log_pred[m], y_true[m], config.unsafe_target, config.unsafe_margin
+            )
+    if mono_batch == -1:
+        shifts = np.maximum.accumulate(shifts)
+    return ConformalShift(edges, tuple(float(v) for v in shifts))
+
+
+@dataclass
+class FitResult:
+    """A fitted model: the final booster (all data), its conformal shift and the CV evidence."""
+
+    booster: lgb.Booster
+    shift: ConformalShift
+    monotone_constraints: tuple[int, ...]
+    config: FitConfig
+    oof_prediction: np.ndarray
+    """Out-of-fold predictions (tokens/s, shift applied) aligned with the training labels."""
+    cv_metrics: dict[str, float] = field(default_factory=dict)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """Safe prefill tokens/s for rows of ``X`` (columns in ``FEATURES`` order), via LightGBM."""
+        Z = model_inputs(X)
+        raw = np.asarray(self.booster.predict(Z), dtype=float)
+        return np.maximum(np.expm1(raw - self.shift.for_batch(Z[:, 0])), 0.0)
+
+    def feature_importance(self) -> dict[str, float]:
+        """Total split gain per feature, normalised to sum to 1."""
+        gain = self.booster.feature_importance(importance_type="gain")
+        total = float(gain.sum()) or 1.0
+        return {f: float(g) / total for f, g in zip(MODEL_FEATURES, gain, strict=True)}
+
+
+def _train(X: np.ndarray, z: np.ndarray, config: FitConfig, mono: tuple[int, ...]) -> lgb.Booster:
+    data = lgb.Dataset(X, z, feature_name=list(MODEL_FEATURES), free_raw_data=False)
+    return lgb.train(config.lgb_params(mono), data, num_boost_round=config.num_boost_round)
+
+
+def fit_interference_model(
+    labels: pd.DataFrame, itl_target: ItlTarget, config: FitConfig = FitConfig()
+) -> FitResult:
+    """Fit on ``labels`` (from :func:`interference_model.labels.derive_labels`), one row per state.
+
+    Grouped K-fold CV by ``state_group`` gives out-of-fold predictions, which set the conformal shift
+    and the reported CV metrics (MAPE, unsafe share); the returned booster is then refit on all rows.
+    """
+    for col in (*FEATURES, LABEL, "state_group"):
+        if col not in labels.columns:
+            raise ValueError(f"labels: missing column {col!r}")
+    X = model_inputs(labels[list(FEATURES)].to_numpy(dtype=float))
+    y = labels[LABEL].to_numpy(dtype=float)
+    z = np.log1p(y)
+    mono = physical_monotone_constraints(itl_target) if config.monotone else (0,) * len(MODEL_FEATURES)
+    oof_raw = np.empty(len(y))
+    for train_idx, test_idx in group_kfold(labels["state_group"].to_numpy(), config.n_folds, config.seed):
+        oof_raw[test_idx] = _train(X[train_idx], z[train_idx], config, mono).predict(X[test_idx])
+    shift = ConformalShift((), (0.0,))
+    if config.unsafe_target is not None:
+        shift = mondrian_shift(oof_raw, y, X[:, 0], config, mono[0])
+    oof = np.maximum(np.expm1(oof_raw - shift.for_batch(X[:, 0])), 0.0)
+    result = FitResult(
+        booster=_train(X, z, config, mono),
+        shift=shift,
+        monotone_constraints=mono,
+        config=config,
+        oof_prediction=oof,
+        cv_metrics=accuracy_metrics(y, oof, config.unsafe_margin),
+    )
+    return result

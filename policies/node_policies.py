@@ -1,0 +1,267 @@
+"""Node policies: how much a decode node lends, from its live ``NodeState``.
+
+Contract (``NodePolicy``): ``propose(state) -> LeaseBudgets`` is the **new headroom** the node can
+take on now, net of the work it already carries as ``state`` reports it (the scheduler adds the
+ledger's committed holdings back when it publishes, so started borrowed work is not counted twice).
+Zero budgets mean "no lease". ``ttl_s`` is how long a proposal stays valid. A policy may also define
+``decode_pressure(state) -> str | None`` (a reason when decode needs the node back); the scheduler
+uses it to pause borrowed prefill that has arrived but not started, and otherwise treats a zero
+proposal as pressure.
+
+Policies are pure functions of the state (no hidden state, no randomness), so the simulator and the
+router get identical answers. Plug-ins register a factory by name: ``register_node_policy("rl", f)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from policies.lease import LeaseBudgets
+from policies.node_state import NodeState
+
+
+@runtime_checkable
+class NodePolicy(Protocol):
+    """What the cluster scheduler needs from a node policy."""
+
+    @property
+    def ttl_s(self) -> float:
+        """Seconds a published lease stays valid."""
+        ...
+
+    def propose(self, state: NodeState) -> LeaseBudgets:
+        """New headroom the node offers now; ``LeaseBudgets.zero()`` for no lease."""
+        ...
+
+
+@runtime_checkable
+class SafePrefillPredictor(Protocol):
+    """The interference model's predictor, as the heuristic uses it (duck-typed)."""
+
+    def safe_prefill_tokens_per_s(
+        self,
+        decode_batch_size: int,
+        context_tokens_mean: float,
+        context_tokens_std: float,
+        remaining_output_tokens_mean: float,
+        kv_occupancy: float,
+    ) -> float: ...
+
+
+def _check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+def _check_fraction(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{owner}.{name} must be in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StaticPolicy:
+    """Plain PD: never lends."""
+
+    ttl_s: float = 1.0
+
+    def propose(self, state: NodeState) -> LeaseBudgets:
+        return LeaseBudgets.zero()
+
+
+@dataclass(frozen=True, slots=True)
+class UtilisationPolicy:
+    """Naive baseline: lend a fixed slice whenever one utilisation figure is under a threshold.
+
+    Utilisation = ``max(recent_step_time_s / itl_target_s, decode_batch_size / max_running_requests)``.
+    It ignores context lengths, remaining output and how the load is spread, which is exactly what
+    the paper shows makes "low utilisation" a poor guide to safe lending. Kept as a baseline.
+    """
+
+    itl_target_s: float = 0.05
+    threshold: float = 0.5
+    """Lend only while utilisation is strictly below this."""
+    ttl_s: float = 1.0
+    prefill_tokens_per_s: float = 8000.0
+    """The fixed slice of local prefill compute."""
+    kv_tokens: int = 65536
+    """Fixed KV slice (capped by the node's free KV)."""
+    transfer_tokens: int = 32768
+    decode_tokens: int = 16384
+    tasks: int = 2
+
+    def __post_init__(self) -> None:
+        _check_positive("UtilisationPolicy", itl_target_s=self.itl_target_s, ttl_s=self.ttl_s)
+        if self.threshold < 0:
+            raise ValueError(f"UtilisationPolicy.threshold must be >= 0, got {self.threshold!r}")
+
+    def utilisation(self, state: NodeState) -> float:
+        batch_share = (
+            state.decode_batch_size / state.max_running_requests if state.max_running_requests else 1.0
+        )
+        return max(state.recent_step_time_s / self.itl_target_s, batch_share)
+
+    def propose(self, state: NodeState) -> LeaseBudgets:
+        if self.utilisation(state) >= self.threshold:
+            return LeaseBudgets.zero()
+        return LeaseBudgets(
+            prefill_tokens=int(self.prefill_tokens_per_s * self.ttl_s),
+            kv_tokens=min(self.kv_tokens, state.kv_free_tokens),
+            transfer_tokens=self.transfer_tokens,
+            decode_tokens=self.decode_tokens,
+            tasks=self.tasks,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HeuristicPolicy:
+    """Lend what the interference model says is safe, with a margin; decode always wins.
+
+    Budgets while there is no decode pressure (see ``decode_pressure``):
+
+    * prefill: ``margin x predictor.safe_prefill_tokens_per_s(state) x ttl_s`` minus the borrowed
+      prefill tokens already queued on the node;
+    * KV: free KV (``state.kv_free_tokens``, which already excludes admission reservations) minus
+      headroom for the running requests' remaining output not covered by those reservations, and
+      never past ``kv_high_watermark`` of capacity;
+    * tasks: ``max_tasks`` minus borrowed tasks already there, and no more than the free decode slots
+      (borrowed requests decode on this node afterwards);
+    * decode work: ``tasks x decode_tokens_per_task``; transfer: ``transfer_tokens_per_s x ttl_s``
+      capped by the KV budget (pulled KV must fit).
+
+    If the prefill or task budget comes out zero the proposal is zero (a lease nobody can use).
+    """
+
+    predictor: SafePrefillPredictor
+    itl_target_s: float = 0.05
+    """Per-token latency target the decode batch must keep."""
+    ttl_s: float = 1.0
+    margin: float = 0.8
+    """Share of the predicted safe throughput actually lent (the predictor's error budget)."""
+    kv_high_watermark: float = 0.9
+    """Decode pressure when KV occupancy (used / capacity) exceeds this; KV budget stops here too."""
+    batch_high_fraction: float = 0.9
+    """Decode pressure when the batch reaches this share of ``max_running_requests``."""
+    max_tasks: int = 4
+    decode_tokens_per_task: int = 8192
+    transfer_tokens_per_s: float = 262144.0
+    """Share of the node's KV-transfer link offered to pulled prefixes."""
+
+    def __post_init__(self) -> None:
+        _check_positive("HeuristicPolicy", itl_target_s=self.itl_target_s, ttl_s=self.ttl_s)
+        _check_fraction(
+            "HeuristicPolicy",
+            margin=self.margin,
+            kv_high_watermark=self.kv_high_watermark,
+            batch_high_fraction=self.batch_high_fraction,
+        )
+        if self.max_tasks < 0 or self.decode_tokens_per_task < 0 or self.transfer_tokens_per_s < 0:
+            raise ValueError(
+                "HeuristicPolicy: max_tasks, decode_tokens_per_task, transfer_tokens_per_s must be >= 0"
+            )
+        if not callable(getattr(self.predictor, "safe_prefill_tokens_per_s", None)):
+            raise TypeError("HeuristicPolicy.predictor must have a safe_prefill_tokens_per_s(...) method")
+
+    def decode_pressure(self, state: NodeState) -> str | None:
+        """Why decode needs the whole node now, or ``None``. Any reason forces a zero lease."""
+        if state.queued_decode_requests > 0:
+            return f"{state.queued_decode_requests} decode request(s) queued for admission"
+        if state.kv_occupancy > self.kv_high_watermark:
+            return f"KV occupancy {state.kv_occupancy:.3f} above watermark {self.kv_high_watermark}"
+        if state.decode_batch_size >= self.batch_high_fraction * state.max_running_requests:
+            return f"batch {state.decode_batch_size} near max_running_requests {state.max_running_requests}"
+        if state.recent_step_time_s > self.itl_target_s:
+            return f"recent step {state.recent_step_time_s:.4f} s above ITL target {self.itl_target_s} s"
+        return None
+
+    def propose(self, state: NodeState) -> LeaseBudgets:
+        if self.decode_pressure(state) is not None:
+            return LeaseBudgets.zero()
+        safe_tokens_per_s = float(
+            self.predictor.safe_prefill_tokens_per_s(
+                decode_batch_size=state.decode_batch_size,
+                context_tokens_mean=state.context_tokens_mean,
+                context_tokens_std=state.context_tokens_std,
+                remaining_output_tokens_mean=state.remaining_output_tokens_mean,
+                kv_occupancy=state.kv_occupancy,
+            )
+        )
+        if not math.isfinite(safe_tokens_per_s) or safe_tokens_per_s <= 0:
+            return LeaseBudgets.zero()
+        prefill = int(self.margin * safe_tokens_per_s * self.ttl_s) - state.borrowed_prefill_tokens_queued
+        free_slots = state.max_running_requests - state.decode_batch_size - state.queued_decode_requests
+        tasks = min(self.max_tasks - state.borrowed_tasks, free_slots - state.borrowed_tasks)
+        if prefill <= 0 or tasks <= 0:
+            return LeaseBudgets.zero()
+        output_need = state.decode_batch_size * state.remaining_output_tokens_mean
+        uncovered_output = max(0, math.ceil(output_need) - state.kv_reserved_tokens)
+        below_watermark = int(self.kv_high_watermark * state.kv_capacity_tokens) - (
+            state.kv_used_tokens + state.kv_reserved_tokens
+        )
+        kv = max(0, min(state.kv_free_tokens - uncovered_output, below_watermark))
+        return LeaseBudgets(
+            prefill_tokens=prefill,
+            kv_tokens=kv,
+            transfer_tokens=min(kv, int(self.transfer_tokens_per_s * self.ttl_s)),
+            decode_tokens=tasks * self.decode_tokens_per_task,
+            tasks=tasks,
+        )
+
+
+# ---- registry -------------------------------------------------------------------------------------
+NodePolicyFactory = Callable[..., NodePolicy]
+
+
+class NodePolicyRegistry:
+    """Name -> factory. A module-level default instance backs ``register_node_policy``/``make_node_policy``;
+    build a private one in tests so registrations do not leak between them."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, NodePolicyFactory] = {}
+
+    def register(self, name: str, factory: NodePolicyFactory, *, replace: bool = False) -> None:
+        if not name or not name.isidentifier():
+            raise ValueError(f"node policy name must be a non-empty identifier, got {name!r}")
+        if name in self._factories and not replace:
+            raise ValueError(f"node policy {name!r} is already registered (pass replace=True to override)")
+        self._factories[name] = factory
+
+    def make(self, name: str, **kwargs: Any) -> NodePolicy:
+        try:
+            factory = self._factories[name]
+        except KeyError:
+            raise KeyError(f"unknown node policy {name!r}; registered: {self.names()}") from None
+        return factory(**kwargs)
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+
+def _default_registry() -> NodePolicyRegistry:
+    registry = NodePolicyRegistry()
+    registry.register("static", StaticPolicy)
+    registry.register("utilisation", UtilisationPolicy)
+    registry.register("heuristic", HeuristicPolicy)
+    return registry
+
+
+NODE_POLICIES = _default_registry()
+"""The process-wide plug-in table (the only module-level mutable object: a registry of factories)."""
+
+
+def register_node_policy(name: str, factory: NodePolicyFactory, *, replace: bool = False) -> None:
+    """Make ``make_node_policy(name, **kw)`` call ``factory(**kw)``."""
+    NODE_POLICIES.register(name, factory, replace=replace)
+
+
+def make_node_policy(name: str, **kwargs: Any) -> NodePolicy:
+    """Build a registered node policy by name (``static``, ``utilisation``, ``heuristic``, plug-ins)."""
+    return NODE_POLICIES.make(name, **kwargs)
+
+
+def node_policy_names() -> list[str]:
+    return NODE_POLICIES.names()

@@ -1,0 +1,368 @@
+"""The cluster scheduler: publishes leases each control interval and chooses each request's path.
+
+One object, used unchanged by the simulator and the HTTP router. Its life cycle per borrowed request::
+
+    choose_path ─(borrow: reservation made)─► on_task_arrival ─"run"─► on_task_started (commit)
+                                               │  "pause": retry later     ─► on_prefill_done
+                                               └─ "fallback": normal path     (frees prefill, transfer,
+                                                  (call on_fallback)           task budgets)
+                                                                             ─► on_request_finished
+                                                                                (frees KV, decode work)
+
+KV and decode-work budgets stay held until the request finishes because the borrowed request keeps
+decoding on the lending node; compute, transfer and the task slot are spent once its prefill is done.
+
+Decode priority: on every control interval a node whose policy proposes zero gets its lease revoked
+to zero at once; its un-started reservations are revoked (returned to the caller, which falls back),
+committed ones keep running. Between intervals, ``on_task_arrival`` re-checks the node and pauses a
+not-yet-started borrowed prefill under decode pressure.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from policies.lease import LeaseBudgets
+from policies.ledger import LeaseLedger
+from policies.node_policies import NodePolicy
+from policies.node_state import NodeState
+
+PathName = Literal["normal", "borrow"]
+ArrivalVerdict = Literal["run", "pause", "fallback"]
+
+
+class CostEstimator(Protocol):
+    """Timing the scheduler needs (the cost model, duck-typed)."""
+
+    def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0) -> float: ...
+
+    def kv_transfer_time_s(self, tokens: int) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PathQuery:
+    """What the router/simulator knows about a request when it must pick a path."""
+
+    request_id: int
+    session_id: int
+    input_tokens: int
+    expected_output_tokens: int
+    normal_uncached_tokens: int
+    """Input tokens the normal path's prefill worker must compute (the rest hit its prefix cache)."""
+    normal_queue_wait_s: float
+    """Estimated queueing on the normal path's prefill worker."""
+    normal_prefill_worker: int
+    decode_cached_tokens: Mapping[int, int] = field(default_factory=dict)
+    """node_id -> leading input tokens already cached on that decode node."""
+    prefill_cached_tokens: int = 0
+    """Leading input tokens cached on the normal prefill worker (a decode node may pull them)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "input_tokens",
+            "expected_output_tokens",
+            "normal_uncached_tokens",
+            "prefill_cached_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PathQuery.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.normal_uncached_tokens > self.input_tokens:
+            raise ValueError(
+                f"PathQuery.normal_uncached_tokens ({self.normal_uncached_tokens}) exceeds input_tokens "
+                f"({self.input_tokens})"
+            )
+        if self.normal_queue_wait_s < 0:
+            raise ValueError(f"PathQuery.normal_queue_wait_s must be >= 0, got {self.normal_queue_wait_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PathDecision:
+    path: PathName
+    node_id: int | None
+    """Lending node for ``borrow``; ``None`` for ``normal``."""
+    reservation_id: int | None
+    est_normal_s: float
+    est_borrow_s: float | None
+    """Best borrow estimate considered (``None`` when no lease was usable or it was not congested)."""
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _BorrowOption:
+    node_id: int
+    est_s: float
+    demand: LeaseBudgets
+
+
+class ClusterScheduler:
+    """Lease publication and per-request path choice (see the module docstring).
+
+    Args:
+        policy: one node policy for every node, or ``{node_id: policy}``.
+        ledger: the lease ledger (shared with whoever commits/releases).
+        cost: prefill and KV-transfer timing (the cost model).
+        control_interval_s: how often ``on_control_interval`` is called; every policy's ``ttl_s`` must
+            be at least this, or leases would lapse between intervals.
+        congestion_wait_s: the prefill pool counts as congested when the normal path's queue wait
+            exceeds this; below it every request takes the normal path.
+        borrow_margin: borrow only if ``est_borrow_s <= est_normal_s * (1 - borrow_margin)``.
+        max_records: decision/event records kept (oldest dropped first).
+    """
+
+    def __init__(
+        self,
+        policy: NodePolicy | Mapping[int, NodePolicy],
+        ledger: LeaseLedger,
+        cost: CostEstimator,
+        *,
+        control_interval_s: float = 0.5,
+        congestion_wait_s: float = 0.2,
+        borrow_margin: float = 0.1,
+        max_records: int = 10_000,
+    ) -> None:
+        if not control_interval_s > 0:
+            raise ValueError(f"control_interval_s must be > 0, got {control_interval_s!r}")
+        if congestion_wait_s < 0 or not 0 <= borrow_margin < 1:
+            raise ValueError("congestion_wait_s must be >= 0 and borrow_margin in [0, 1)")
+        policies = policy.values() if isinstance(policy, Mapping) else [policy]
+        for p in policies:
+            if p.ttl_s < control_interval_s:
+                raise ValueError(
+                    f"policy {type(p).__name__} ttl_s={p.ttl_s} is shorter than control_interval_s="
+                    f"{control_interval_s}; leases would lapse between intervals"
+                )
+        self._policy = policy
+        self.ledger = ledger
+        self.cost = cost
+        self.control_interval_s = control_interval_s
+        self.congestion_wait_s = congestion_wait_s
+        self.borrow_margin = borrow_margin
+        self.records: deque[dict[str, Any]] = deque(maxlen=max_records)
+        """Decision and lease events as plain dicts (``kind`` says which), for debugging and reports."""
+        self._lock = threading.RLock()
+        self._lending: dict[int, bool] = {}
+        self._arrived: set[int] = set()
+        """Un-started reservations whose task has reached its node (so ``NodeState`` counts them)."""
+
+    def policy_for(self, node_id: int) -> NodePolicy:
+        if isinstance(self._policy, Mapping):
+            try:
+                return self._policy[node_id]
+            except KeyError:
+                raise KeyError(f"no node policy configured for node {node_id}") from None
+        return self._policy
+
+    # ---- control loop -------------------------------------------------------------------------------
+    def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> list[int]:
+        """Ask each node's policy and publish (or revoke) its lease. Returns revoked reservation ids.
+
+        Under decode pressure the lease goes to zero now and un-started reservations are revoked.
+        Otherwise the published lease is the policy's new headroom plus what the borrowed work that
+        ``state`` already reflects still holds (committed reservations, and un-started ones that have
+        arrived at the node), so that work is neither counted twice nor revoked for lack of room.
+        Reservations still in flight to the node are carried over only if they fit the headroom.
+        """
+        with self._lock:
+            revoked = self.ledger.expire(now_s)
+            for state in sorted(states, key=lambda s: s.node_id):
+                policy = self.policy_for(state.node_id)
+                headroom = policy.propose(state)
+                pressure = self._decode_pressure(policy, state, headroom)
+                if pressure is not None:
+                    node_revoked = self.ledger.revoke(state.node_id, now_s)
+                    lease_budgets = LeaseBudgets.zero()
+                else:
+                    pending = self.ledger.pending_ids(state.node_id)
+                    reflected = self.ledger.held(state.node_id, committed=True) + LeaseBudgets.total(
+                        self.ledger.held_by(rid) for rid in pending if rid in self._arrived
+                    )
+                    lease_budgets = headroom + reflected
+                    self.ledger.publish(state.node_id, lease_budgets, now_s, policy.ttl_s)
+                    node_revoked = sorted(set(pending) - set(self.ledger.pending_ids(state.node_id)))
+                revoked.extend(node_revoked)
+                # Record lease transitions (lending <-> decode pressure, or revocations), not every refresh.
+                lending = pressure is None and not lease_budgets.is_zero()
+                if node_revoked or self._lending.get(state.node_id) != lending:
+                    self._lending[state.node_id] = lending
+                    self.records.append(
+                        {
+                            "kind": "lease",
+                            "time_s": now_s,
+                            "node_id": state.node_id,
+                            **{f"lease_{k}": v for k, v in lease_budgets.to_dict().items()},
+                            "decode_pressure": pressure,
+                            "revoked": node_revoked,
+                        }
+                    )
+            self._arrived.intersection_update(self.ledger.active_ids())
+            return sorted(revoked)
+
+    @staticmethod
+    def _decode_pressure(
+        policy: NodePolicy, state: NodeState, proposal: LeaseBudgets | None = None
+    ) -> str | None:
+        """The policy's ``decode_pressure`` reason if it has one; otherwise a zero proposal is pressure."""
+        pressure_fn = getattr(policy, "decode_pressure", None)
+        if pressure_fn is not None:
+            reason: str | None = pressure_fn(state)
+            return reason
+        if proposal is None:
+            proposal = policy.propose(state)
+        return "policy proposes no lease" if proposal.is_zero() else None
+
+    # ---- path choice --------------------------------------------------------------------------------
+    def estimate_normal_s(self, q: PathQuery) -> float:
+        cached = q.input_tokens - q.normal_uncached_tokens
+        return (
+            q.normal_queue_wait_s
+            + self.cost.prefill_time_s(q.normal_uncached_tokens, cached_tokens=cached)
+            + self.cost.kv_transfer_time_s(q.input_tokens)
+        )
+
+    def _borrow_option(self, q: PathQuery, node_id: int, now_s: float) -> _BorrowOption | None:
+        """Best way to run ``q`` on ``node_id``'s lease, or ``None`` if the lease cannot hold it."""
+        lease = self.ledger.lease(node_id)
+        available = self.ledger.available(node_id, now_s)
+        if lease is None or available.tasks == 0 or available.prefill_tokens == 0:
+            return None
+        safe_tokens_per_s = lease.budgets.prefill_tokens / lease.ttl_s
+        local_cached = min(max(0, q.decode_cached_tokens.get(node_id, 0)), q.input_tokens)
+        queue_s = self.ledger.held(node_id).prefill_tokens / safe_tokens_per_s
+        best: _BorrowOption | None = None
+        # Either compute everything not cached locally, or pull the prefill worker's longer cached prefix.
+        pulls = [0]
+        if q.prefill_cached_tokens > local_cached:
+            pulls.append(min(q.prefill_cached_tokens, q.input_tokens) - local_cached)
+        for pull in pulls:
+            new_tokens = q.input_tokens - local_cached - pull
+            cached = local_cached + pull
+            prefill_s = max(
+                new_tokens / safe_tokens_per_s, self.cost.prefill_time_s(new_tokens, cached_tokens=cached)
+            )
+            transfer_s = self.cost.kv_transfer_time_s(pull) if pull else 0.0
+            demand = LeaseBudgets(
+                prefill_tokens=new_tokens,
+                kv_tokens=q.input_tokens + q.expected_output_tokens,
+                transfer_tokens=pull,
+                decode_tokens=q.expected_output_tokens,
+                tasks=1,
+            )
+            if not demand.fits_within(available):
+                continue
+            option = _BorrowOption(node_id, queue_s + prefill_s + transfer_s, demand)
+            if best is None or option.est_s < best.est_s:
+                best = option
+        return best
+
+    def choose_path(self, q: PathQuery, now_s: float) -> PathDecision:
+        """Pick normal or borrow for ``q``; a borrow decision carries a reservation already made."""
+        with self._lock:
+            decision = self._choose(q, now_s)
+            self.records.append(
+                {
+                    "kind": "decision",
+                    "time_s": now_s,
+                    "request_id": q.request_id,
+                    "session_id": q.session_id,
+                    "path": decision.path,
+                    "node_id": decision.node_id,
+                    "reservation_id": decision.reservation_id,
+                    "est_normal_s": decision.est_normal_s,
+                    "est_borrow_s": decision.est_borrow_s,
+                    "input_tokens": q.input_tokens,
+                    "normal_uncached_tokens": q.normal_uncached_tokens,
+                    "normal_queue_wait_s": q.normal_queue_wait_s,
+                    "reason": decision.reason,
+                }
+            )
+            return decision
+
+    def _choose(self, q: PathQuery, now_s: float) -> PathDecision:
+        est_normal_s = self.estimate_normal_s(q)
+        if q.normal_queue_wait_s <= self.congestion_wait_s:
+            reason = f"not congested (queue wait {q.normal_queue_wait_s:.3f} s <= {self.congestion_wait_s} s)"
+            return PathDecision("normal", None, None, est_normal_s, None, reason)
+        options = [o for n in self.ledger.node_ids() if (o := self._borrow_option(q, n, now_s)) is not None]
+        if not options:
+            return PathDecision(
+                "normal", None, None, est_normal_s, None, "congested but no lease can hold it"
+            )
+        options.sort(key=lambda o: (o.est_s, o.node_id))
+        best_s = options[0].est_s
+        threshold_s = est_normal_s * (1.0 - self.borrow_margin)
+        if best_s > threshold_s:
+            reason = f"borrow {best_s:.3f} s does not beat normal {est_normal_s:.3f} s by the margin"
+            return PathDecision("normal", None, None, est_normal_s, best_s, reason)
+        for option in options:
+            if option.est_s > threshold_s:
+                break
+            res = self.ledger.reserve(option.node_id, option.demand, now_s)
+            if res is not None:
+                reason = (
+                    f"borrow on node {option.node_id}: {option.est_s:.3f} s vs normal {est_normal_s:.3f} s "
+                    f"(computes {option.demand.prefill_tokens} tokens, pulls {option.demand.transfer_tokens})"
+                )
+                return PathDecision(
+                    "borrow", option.node_id, res.reservation_id, est_normal_s, option.est_s, reason
+                )
+        return PathDecision(
+            "normal", None, None, est_normal_s, best_s, "reservation failed on every candidate"
+        )
+
+    # ---- borrowed task life cycle ---------------------------------------------------------------------
+    def on_task_arrival(self, reservation_id: int, state: NodeState, now_s: float) -> ArrivalVerdict:
+        """The lending node re-checks before starting a borrowed prefill.
+
+        ``fallback``: the reservation was revoked or its lease expired; run the request on the normal
+        path (call ``on_fallback``). ``pause``: decode pressure now; keep the task queued and ask again
+        (by the next control interval the lease is revoked and the answer becomes ``fallback``).
+        ``run``: start it (then ``on_task_started``).
+        """
+        with self._lock:
+            if not self.ledger.is_spendable(reservation_id, now_s):
+                verdict: ArrivalVerdict = "fallback"
+                reason = f"reservation {self.ledger.status(reservation_id)}"
+            else:
+                pressure = self._decode_pressure(self.policy_for(state.node_id), state)
+                verdict = "pause" if pressure else "run"
+                reason = pressure or "node still has headroom"
+                self._arrived.add(reservation_id)
+            self.records.append(
+                {
+                    "kind": "arrival",
+                    "time_s": now_s,
+                    "reservation_id": reservation_id,
+                    "node_id": state.node_id,
+                    "verdict": verdict,
+                    "reason": reason,
+                }
+            )
+            return verdict
+
+    def on_task_started(self, reservation_id: int, now_s: float) -> bool:
+        """Commit the reservation; ``False`` means it can no longer run here (fall back)."""
+        return self.ledger.commit(reservation_id, now_s)
+
+    def on_prefill_done(self, reservation_id: int) -> None:
+        """Return the compute, transfer and task budgets; KV and decode work stay held."""
+        held = self.ledger.held_by(reservation_id)
+        self.ledger.release(
+            reservation_id,
+            LeaseBudgets(
+                prefill_tokens=held.prefill_tokens, transfer_tokens=held.transfer_tokens, tasks=held.tasks
+            ),
+        )
+
+    def on_request_finished(self, reservation_id: int) -> None:
+        """Return everything the reservation still holds."""
+        self.ledger.release(reservation_id)
+
+    def on_fallback(self, reservation_id: int) -> None:
+        """The request left the borrow path before starting; free its reservation if still active."""
+        self._arrived.discard(reservation_id)
+        if self.ledger.status(reservation_id) in ("reserved", "committed"):
+            self.ledger.release(reservation_id)

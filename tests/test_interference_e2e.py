@@ -1,0 +1,158 @@
+"""End to end on the real cost model: profile (sim) -> fit -> eval via the CLI commands, tiny sizes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from interference_model.artifact import DEFAULT_ITL_TARGET, default_predictor, load_predictor
+from train import interference_cli
+
+
+def run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="crossflow")
+    sub = parser.add_subparsers(dest="command", required=True)
+    interference_cli.add_profile_parser(sub)
+    interference_cli.add_fit_parser(sub)
+    interference_cli.add_eval_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_profile_fit_eval(tmp_path: Path) -> None:
+    pytest.importorskip("envs.cost_model")
+    common = ("--gpu", "H200", "--model", "gpt-oss-120b", "--tp", "1", "--repeats", "3")
+    assert (
+        run(
+            "profile",
+            *common,
+            "--n-states",
+            "150",
+            "--seed",
+            "0",
+            "--out",
+            str(tmp_path / "train.parquet"),
+            "--json",
+            str(tmp_path / "profile.json"),
+        )
+        == 0
+    )
+    assert (
+        run("profile", *common, "--n-states", "60", "--seed", "1", "--out", str(tmp_path / "test.parquet"))
+        == 0
+    )
+    assert (
+        run(
+            "profile",
+            *common,
+            "--n-states",
+            "60",
+            "--seed",
+            "1",
+            "--no-noise",
+            "--out",
+            str(tmp_path / "clean.parquet"),
+        )
+        == 0
+    )
+    assert json.loads((tmp_path / "profile.json").read_text())["states"] == 150
+    assert (
+        run(
+            "fit-interference",
+            "--profiles",
+            str(tmp_path / "train.parquet"),
+            "--itl-target",
+            "1.5x",
+            "--out",
+            str(tmp_path / "art"),
+            "--json",
+            str(tmp_path / "fit.json"),
+        )
+        == 0
+    )
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert fit["n_states"] == 150 and 0 <= fit["cv_metrics"]["unsafe_share"] <= 0.05
+    assert (
+        run(
+            "eval-interference",
+            "--artifact",
+            str(tmp_path / "art"),
+            "--profiles",
+            str(tmp_path / "test.parquet"),
+            "--train-profiles",
+            str(tmp_path / "train.parquet"),
+            "--reference-profiles",
+            str(tmp_path / "clean.parquet"),
+            "--plots",
+            str(tmp_path / "plots"),
+            "--json",
+            str(tmp_path / "eval.json"),
+        )
+        == 0
+    )
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert set(report["metrics"]) == {"lightgbm", "analytic_cost_model", "linear", "utilisation_threshold"}
+    # The analytic inverse of the noise-free cost model *is* the noise-free truth.
+    assert report["vs_reference"]["analytic_cost_model"]["mape"] == pytest.approx(0.0, abs=1e-9)
+    assert (tmp_path / "plots" / "calibration.png").stat().st_size > 1000
+    assert (tmp_path / "plots" / "error_by_region.png").stat().st_size > 1000
+    pred = load_predictor(tmp_path / "art", gpu="h200", model="gpt-oss-120b", tp=1, itl_target="1.5x")
+    assert pred.safe_prefill_tokens_per_s(32, 4000.0, 800.0, 300.0, 0.2) > 0
+
+
+def test_eval_refuses_profiles_of_another_setup(tmp_path: Path) -> None:
+    pytest.importorskip("envs.cost_model")
+    assert run("profile", "--n-states", "40", "--repeats", "2", "--out", str(tmp_path / "a.parquet")) == 0
+    assert (
+        run("fit-interference", "--profiles", str(tmp_path / "a.parquet"), "--out", str(tmp_path / "art"))
+        == 0
+    )
+    assert (
+        run(
+            "profile",
+            "--n-states",
+            "10",
+            "--repeats",
+            "1",
+            "--model",
+            "GLM-5",
+            "--tp",
+            "8",
+            "--out",
+            str(tmp_path / "b.parquet"),
+        )
+        == 0
+    )
+    with pytest.raises(ValueError, match="profiles are for"):
+        run(
+            "eval-interference",
+            "--artifact",
+            str(tmp_path / "art"),
+            "--profiles",
+            str(tmp_path / "b.parquet"),
+        )
+
+
+@pytest.mark.parametrize(("gpu", "model", "tp"), [("H200", "gpt-oss-120b", 1), ("H200", "GLM-5", 8)])
+def test_shipped_defaults_load(gpu: str, model: str, tp: int) -> None:
+    pred = default_predictor(gpu, model, tp)
+    assert pred.metadata["itl_target"]["spec"] == DEFAULT_ITL_TARGET
+    small = pred.safe_prefill_tokens_per_s(4, 2000.0, 500.0, 200.0, 0.05)
+    assert small > 0
+
+
+def test_wandb_logging_is_offline_and_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    from interference_model.artifact import DATA_DIR, log_artifact_to_wandb
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    folder = DATA_DIR / "h200_gpt-oss-120b_tp1"
+    assert log_artifact_to_wandb(folder) is True
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if not installed
+    assert log_artifact_to_wandb(folder) is False

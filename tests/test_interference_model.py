@@ -1,0 +1,279 @@
+"""Fit, fast predictor, artifact round trip and bad artifacts, on a tiny fake-cost-model profile."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from envs.profiler import simulate_profiles
+from interference_model.artifact import ArtifactError, load_predictor, save_artifact
+from interference_model.fit import (
+    MODEL_FEATURES,
+    ConformalShift,
+    FitConfig,
+    FitResult,
+    conformal_log_shift,
+    fit_interference_model,
+    group_kfold,
+    model_inputs,
+    mondrian_shift,
+)
+from interference_model.labels import LABEL, ItlTarget, derive_labels
+from interference_model.predictor import SafeThroughputPredictor
+from interference_model.schema import FEATURES, profiles_sha256
+
+
+class FakeCostModel:
+    """Roofline-shaped stand-in for ``envs.cost_model.CostModel`` (same methods, no catalog)."""
+
+    kv_capacity_tokens = 200_000
+
+    @staticmethod
+    def prefill_attention_pairs(new_tokens: float, cached_tokens: float) -> float:
+        return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+
+    def iteration_times_s(
+        self,
+        prefill_tokens: np.ndarray,
+        prefill_attention_pairs: np.ndarray,
+        decode_batch: np.ndarray,
+        decode_context_tokens: np.ndarray,
+    ) -> np.ndarray:
+        memory_s = 4e-3 + np.asarray(decode_context_tokens, float) * 4e-8
+        compute_s = (
+            np.asarray(prefill_tokens, float) + decode_batch
+        ) * 1e-5 + prefill_attention_pairs * 1e-11
+        return 5e-4 + np.maximum(memory_s, compute_s) + 0.2 * np.minimum(memory_s, compute_s)
+
+
+TARGET = ItlTarget.parse("20ms")  # absolute: every physical monotone constraint applies
+SMALL = FitConfig(num_boost_round=30, n_folds=3, num_leaves=15)
+
+
+@pytest.fixture(scope="module")
+def profiles() -> pd.DataFrame:
+    return simulate_profiles(
+        "FAKE",
+        "fake-model",
+        1,
+        240,
+        seed=3,
+        repeats=3,
+        cost_model=FakeCostModel(),
+        chunk_sizes=(64, 256, 1024, 4096),
+    )
+
+
+@pytest.fixture(scope="module")
+def fitted(profiles: pd.DataFrame) -> tuple[pd.DataFrame, FitResult]:
+    labels = derive_labels(profiles, TARGET)
+    return labels, fit_interference_model(labels, TARGET, SMALL)
+
+
+@pytest.fixture()
+def artifact(tmp_path: Path, fitted: tuple[pd.DataFrame, FitResult], profiles: pd.DataFrame) -> Path:
+    return save_artifact(
+        tmp_path / "art",
+        fitted[1],
+        itl_target=TARGET,
+        hardware="FAKE",
+        model="fake-model",
+        tp=1,
+        data_sha256=profiles_sha256(profiles),
+        extra={"command": "pytest"},
+    )
+
+
+def test_profiler_is_deterministic_and_noise_is_separate(profiles: pd.DataFrame) -> None:
+    again = simulate_profiles(
+        "FAKE",
+        "fake-model",
+        1,
+        240,
+        seed=3,
+        repeats=3,
+        cost_model=FakeCostModel(),
+        chunk_sizes=(64, 256, 1024, 4096),
+    )
+    pd.testing.assert_frame_equal(profiles, again)
+    clean = simulate_profiles(
+        "FAKE",
+        "fake-model",
+        1,
+        240,
+        seed=3,
+        repeats=3,
+        cost_model=FakeCostModel(),
+        chunk_sizes=(64, 256, 1024, 4096),
+        noise=None,
+    )
+    pd.testing.assert_frame_equal(profiles[list(FEATURES)], clean[list(FEATURES)])
+    assert not np.allclose(profiles["iteration_time_s"], clean["iteration_time_s"])
+    # Repeats of a noise-free point are identical; the running KV never exceeds capacity.
+    assert clean.groupby(["state_id", "chunk_tokens"])["iteration_time_s"].nunique().max() == 1
+    states = profiles.drop_duplicates("state_id")
+    used = states["decode_batch_size"] * states["context_tokens_mean"]
+    assert (used <= states["kv_occupancy"] * states["kv_capacity_tokens"] + 1e-6).all()
+    assert len(profiles) == 240 * 4 * 3
+
+
+def test_group_kfold_keeps_groups_together() -> None:
+    groups = np.repeat(np.arange(10), 3)
+    folds = group_kfold(groups, 5, seed=0)
+    seen = np.concatenate([te for _, te in folds])
+    assert sorted(seen.tolist()) == list(range(30))
+    for tr, te in folds:
+        assert not set(groups[tr]) & set(groups[te])
+    with pytest.raises(ValueError, match="at least 5 state groups"):
+        group_kfold(np.zeros(10), 5, seed=0)
+
+
+def test_conformal_shift_by_hand() -> None:
+    y = np.full(99, 100.0)
+    raw = np.log1p(1.05 * y) + np.linspace(-0.5, 0.48, 99)  # excess = -0.5 .. 0.48 in 0.01 steps
+    shift = conformal_log_shift(raw, y, unsafe_target=0.05, unsafe_margin=0.05)
+    # k = floor(0.05 * 100) - 1 = 4 unsafe allowed: shift = 5th largest excess = 0.44.
+    assert shift == pytest.approx(0.44)
+    assert np.sum(raw - shift > np.log1p(1.05 * y)) == 4
+
+
+def test_mondrian_shift_per_batch_bin() -> None:
+    y = np.full(400, 100.0)
+    batch = np.repeat([2.0, 50.0], 200)
+    excess = np.r_[np.linspace(-0.2, 0.0, 200), np.linspace(-0.1, 0.3, 200)]
+    raw = np.log1p(1.05 * y) + excess
+    config = FitConfig(unsafe_target=0.05, shift_batch_edges=(10.0,), min_states_per_shift_bin=100)
+    free = mondrian_shift(raw, y, batch, config, mono_batch=0)
+    # Each bin allows floor(0.05 * 201) - 1 = 9 unsafe states: its 10th largest excess.
+    assert free.log_shifts == pytest.approx((excess[:200][-10], excess[200:][-10]))
+    assert (
+        free.for_batch(np.array([1.0, 9.9, 10.0, 500.0])).tolist()
+        == [free.log_shifts[0]] * 2 + [free.log_shifts[1]] * 2
+    )
+    # Constrained non-increasing in batch: shifts must not fall as batch grows.
+    reversed_bins = mondrian_shift(raw, y, batch[::-1].copy(), config, mono_batch=-1)
+    assert reversed_bins.log_shifts[1] >= reversed_bins.log_shifts[0]
+    sparse = FitConfig(unsafe_target=0.05, shift_batch_edges=(10.0,), min_states_per_shift_bin=300)
+    glob = conformal_log_shift(raw, y, 0.05, 0.05)
+    assert mondrian_shift(raw, y, batch, sparse, mono_batch=0).log_shifts == (glob, glob)
+
+
+def test_fast_predictor_applies_per_bin_shift(fitted: tuple[pd.DataFrame, FitResult]) -> None:
+    labels, fit = fitted
+    shift = ConformalShift((4.0, 32.0), (0.3, -0.1, 0.05))
+    pred = SafeThroughputPredictor(fit.booster.dump_model(), shift)
+    X = labels[list(FEATURES)].to_numpy()
+    raw = fit.booster.predict(model_inputs(X))
+    want = np.maximum(np.expm1(raw - shift.for_batch(X[:, 0])), 0.0)
+    np.testing.assert_allclose(pred.predict(X), want, rtol=1e-9)
+    np.testing.assert_allclose([pred.safe_prefill_tokens_per_s(*row) for row in X[:40]], want[:40], rtol=1e-9)
+
+
+def test_fit_is_conservative_out_of_fold(fitted: tuple[pd.DataFrame, FitResult]) -> None:
+    _, fit = fitted
+    assert fit.cv_metrics["unsafe_share"] <= 0.02 + 1e-9
+    assert fit.cv_metrics["mape"] < 0.5
+    assert set(fit.feature_importance()) == set(MODEL_FEATURES)
+    with pytest.raises(ValueError, match="monotone"):
+        FitConfig(quantile_alpha=0.1)
+
+
+@pytest.mark.parametrize(
+    "feature", ["decode_batch_size", "context_tokens_mean", "kv_occupancy", "remaining_output_tokens_mean"]
+)
+def test_non_increasing_along_constrained_features(
+    fitted: tuple[pd.DataFrame, FitResult], feature: str
+) -> None:
+    labels, fit = fitted
+    rng = np.random.default_rng(0)
+    base = labels[list(FEATURES)].to_numpy()[rng.choice(len(labels), 20, replace=False)]
+    j = FEATURES.index(feature)
+    grid = np.linspace(labels[feature].min(), labels[feature].max(), 40)
+    for row in base:
+        X = np.repeat(row[None, :], len(grid), 0)
+        X[:, j] = grid
+        pred = fit.predict(X)
+        assert np.all(np.diff(pred) <= 1e-9 * pred[:-1] + 1e-12), feature
+
+
+def test_fast_predictor_equals_lightgbm(artifact: Path, fitted: tuple[pd.DataFrame, FitResult]) -> None:
+    labels, fit = fitted
+    pred = load_predictor(artifact)
+    rng = np.random.default_rng(1)
+    X = labels[list(FEATURES)].to_numpy()
+    # Also off-grid points and exact split thresholds (the `<=` boundary).
+    X = np.vstack([X, X * rng.uniform(0.5, 1.5, X.shape)])
+    np.testing.assert_allclose(
+        pred.raw_predict(X), fit.booster.predict(model_inputs(X)), rtol=1e-9, atol=1e-12
+    )
+    np.testing.assert_allclose(pred.predict(X), fit.predict(X), rtol=1e-6)
+    singles = np.array([pred.safe_prefill_tokens_per_s(*row) for row in X[:50]])
+    np.testing.assert_allclose(singles, fit.predict(X[:50]), rtol=1e-6)
+    thresholds = pred._global[0]
+    edge = np.repeat(X[:1], len(thresholds), 0)
+    edge[:, 0] = thresholds
+    np.testing.assert_allclose(pred.raw_predict(edge), fit.booster.predict(model_inputs(edge)), rtol=1e-9)
+    with pytest.raises(ValueError, match="finite"):
+        pred.safe_prefill_tokens_per_s(4, float("nan"), 0, 0, 0.1)
+    with pytest.raises(ValueError, match="in FEATURES order"):
+        pred.predict(np.zeros((3, 4)))
+
+
+def test_artifact_round_trip_metadata(artifact: Path, profiles: pd.DataFrame) -> None:
+    meta = json.loads((artifact / "metadata.json").read_text())
+    assert meta["features"] == list(FEATURES)
+    assert meta["itl_target"] == {"kind": "absolute_ms", "value": 20.0, "floor_ms": 0.0, "spec": "20ms"}
+    assert meta["data_sha256"] == profiles_sha256(profiles)
+    assert meta["command"] == "pytest" and "lightgbm" in meta["library_versions"]
+    pred = load_predictor(artifact, gpu="fake", model="FAKE-MODEL", tp=1, itl_target="20ms")
+    assert pred.metadata["hardware"] == "FAKE"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"gpu": "B200"}, "hardware"),
+        ({"model": "GLM-5"}, "model"),
+        ({"tp": 8}, "tp"),
+        ({"itl_target": "1.5x"}, "itl_target"),
+    ],
+)
+def test_metadata_mismatch_is_a_clear_error(artifact: Path, kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ArtifactError, match=f"metadata.json: field '{field}' is .* caller expects"):
+        load_predictor(artifact, **kwargs)  # type: ignore[arg-type]
+
+
+def test_corrupt_or_missing_files(artifact: Path, tmp_path: Path) -> None:
+    model_file = artifact / "model.txt"
+    text = model_file.read_text()
+    model_file.write_text(text.replace("leaf_value=", "leaf_value=9", 1))
+    with pytest.raises(ArtifactError, match=r"model.txt: corrupt or replaced"):
+        load_predictor(artifact)
+    model_file.unlink()
+    with pytest.raises(ArtifactError, match=r"model.txt: missing"):
+        load_predictor(artifact)
+    (artifact / "metadata.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match=r"metadata.json: corrupt JSON"):
+        load_predictor(artifact)
+    shutil.rmtree(artifact)
+    with pytest.raises(ArtifactError, match=r"metadata.json: missing"):
+        load_predictor(artifact)
+
+
+def test_features_mismatch_in_metadata(artifact: Path) -> None:
+    meta_path = artifact / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["features"] = list(reversed(meta["features"]))
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match="field 'features'"):
+        load_predictor(artifact)
+
+
+def test_labels_of_profile_have_positive_throughput(fitted: tuple[pd.DataFrame, FitResult]) -> None:
+    labels, _ = fitted
+    assert (labels[LABEL] >= 0).all() and (labels[LABEL] > 0).mean() > 0.5

@@ -1,0 +1,174 @@
+"""Node policies on tiny hand-made node states, with a fake interference predictor."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from policies.lease import LeaseBudgets
+from policies.node_policies import (
+    HeuristicPolicy,
+    NodePolicy,
+    NodePolicyRegistry,
+    StaticPolicy,
+    UtilisationPolicy,
+    make_node_policy,
+    node_policy_names,
+)
+from policies.node_state import NodeState
+
+
+class FakePredictor:
+    """Safe prefill rate = 10_000 - 500 x batch tokens/s; records the keyword arguments it got."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, float]] = []
+
+    def safe_prefill_tokens_per_s(
+        self,
+        decode_batch_size: int,
+        context_tokens_mean: float,
+        context_tokens_std: float,
+        remaining_output_tokens_mean: float,
+        kv_occupancy: float,
+    ) -> float:
+        self.calls.append(
+            dict(
+                decode_batch_size=decode_batch_size,
+                context_tokens_mean=context_tokens_mean,
+                context_tokens_std=context_tokens_std,
+                remaining_output_tokens_mean=remaining_output_tokens_mean,
+                kv_occupancy=kv_occupancy,
+            )
+        )
+        return 10_000.0 - 500.0 * decode_batch_size
+
+
+def state(**overrides: float) -> NodeState:
+    """A calm node: 4 running requests, 10% KV used, 20 ms steps, room for 32 requests."""
+    base = NodeState(
+        node_id=0,
+        time_s=0.0,
+        decode_batch_size=4,
+        context_tokens_mean=2000.0,
+        context_tokens_std=500.0,
+        remaining_output_tokens_mean=100.0,
+        kv_capacity_tokens=100_000,
+        kv_used_tokens=10_000,
+        kv_reserved_tokens=400,
+        queued_decode_requests=0,
+        borrowed_tasks=0,
+        borrowed_prefill_tokens_queued=0,
+        recent_step_time_s=0.02,
+        decode_only_step_time_s=0.02,
+        max_running_requests=32,
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def test_static_never_lends() -> None:
+    policy = StaticPolicy()
+    assert isinstance(policy, NodePolicy)
+    assert policy.propose(state(decode_batch_size=0, kv_used_tokens=0, recent_step_time_s=0.0)).is_zero()
+
+
+def test_utilisation_lends_fixed_slice_only_below_threshold() -> None:
+    policy = UtilisationPolicy(itl_target_s=0.05, threshold=0.5, ttl_s=2.0, prefill_tokens_per_s=1000.0)
+    # max(0.02 / 0.05, 4 / 32) = 0.4 < 0.5: lends.
+    assert policy.utilisation(state()) == pytest.approx(0.4)
+    assert policy.propose(state()) == LeaseBudgets(2000, 65536, 32768, 16384, 2)
+    # KV slice capped by free KV: 100_000 - 95_000 - 400.
+    assert policy.propose(state(kv_used_tokens=95_000)).kv_tokens == 4600
+    # 0.03 / 0.05 = 0.6: no lease, whatever the contexts look like.
+    assert policy.propose(state(recent_step_time_s=0.03)).is_zero()
+    assert policy.propose(state(decode_batch_size=16)).is_zero()
+
+
+def test_heuristic_budgets_by_hand() -> None:
+    predictor = FakePredictor()
+    policy = HeuristicPolicy(predictor, itl_target_s=0.05, ttl_s=0.5, margin=0.8, max_tasks=4)
+    lease = policy.propose(state(borrowed_tasks=1, borrowed_prefill_tokens_queued=1000))
+    # prefill: 0.8 x (10_000 - 2_000) x 0.5 - 1_000 queued = 2_200.
+    assert lease.prefill_tokens == 2200
+    # KV: free = 100_000 - 10_000 - 400 = 89_600; output need 4 x 100 = 400 is covered by the reservation;
+    # watermark room = 90_000 - 10_400 = 79_600 -> min = 79_600.
+    assert lease.kv_tokens == 79_600
+    assert lease.tasks == 3  # max_tasks 4 minus 1 already borrowed
+    assert lease.decode_tokens == 3 * 8192
+    assert lease.transfer_tokens == min(79_600, int(262144 * 0.5))  # pulled KV must fit the KV budget
+    assert predictor.calls[-1] == dict(
+        decode_batch_size=4,
+        context_tokens_mean=2000.0,
+        context_tokens_std=500.0,
+        remaining_output_tokens_mean=100.0,
+        kv_occupancy=0.1,
+    )
+
+
+def test_heuristic_kv_headroom_for_unreserved_output() -> None:
+    policy = HeuristicPolicy(FakePredictor())
+    # 4 x 100 = 400 output tokens still to come, none reserved: they come off the free KV (90_000).
+    lease = policy.propose(state(kv_reserved_tokens=0, kv_used_tokens=50_000))
+    assert lease.kv_tokens == min(100_000 - 50_000 - 400, 90_000 - 50_000) == 40_000
+    lease = policy.propose(
+        state(kv_reserved_tokens=0, kv_used_tokens=89_000, remaining_output_tokens_mean=200)
+    )
+    assert lease.kv_tokens == min(11_000 - 800, 1_000) == 1_000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"queued_decode_requests": 1}, "queued"),
+        ({"kv_used_tokens": 91_000}, "KV occupancy"),
+        ({"decode_batch_size": 29}, "near max_running_requests"),
+        ({"recent_step_time_s": 0.051}, "above ITL target"),
+    ],
+)
+def test_heuristic_decode_always_wins(overrides: dict[str, float], reason: str) -> None:
+    policy = HeuristicPolicy(FakePredictor(), itl_target_s=0.05)
+    assert not policy.propose(state()).is_zero()
+    pressure = policy.decode_pressure(state(**overrides))
+    assert pressure is not None and reason in pressure
+    assert policy.propose(state(**overrides)).is_zero()
+
+
+def test_heuristic_shrinks_monotonically_with_batch() -> None:
+    policy = HeuristicPolicy(FakePredictor())
+    budgets = [policy.propose(state(decode_batch_size=b)).prefill_tokens for b in (0, 4, 8, 16, 28, 29)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > 0 and budgets[-1] == 0
+
+
+def test_heuristic_zero_when_nothing_usable() -> None:
+    policy = HeuristicPolicy(FakePredictor(), max_tasks=2)
+    assert policy.propose(state(borrowed_tasks=2)).is_zero()  # task slots used up
+    assert policy.propose(state(borrowed_prefill_tokens_queued=10**6)).is_zero()  # compute used up
+
+
+def test_heuristic_validates_configuration() -> None:
+    with pytest.raises(ValueError, match="margin"):
+        HeuristicPolicy(FakePredictor(), margin=1.5)
+    with pytest.raises(ValueError, match="ttl_s"):
+        HeuristicPolicy(FakePredictor(), ttl_s=0.0)
+    with pytest.raises(TypeError, match="safe_prefill_tokens_per_s"):
+        HeuristicPolicy(object())  # type: ignore[arg-type]
+
+
+def test_registry_builds_by_name_and_accepts_plugins() -> None:
+    assert {"static", "utilisation", "heuristic"} <= set(node_policy_names())
+    heuristic = make_node_policy("heuristic", predictor=FakePredictor(), ttl_s=0.25)
+    assert isinstance(heuristic, HeuristicPolicy) and heuristic.ttl_s == 0.25
+    assert isinstance(make_node_policy("static"), StaticPolicy)
+    with pytest.raises(KeyError, match="unknown node policy 'rl'"):
+        make_node_policy("rl")
+
+    registry = NodePolicyRegistry()  # private: registrations must not leak into other tests
+    registry.register("always_one", lambda ttl_s=1.0: UtilisationPolicy(threshold=99.0, ttl_s=ttl_s))
+    assert registry.make("always_one", ttl_s=0.5).propose(state()).tasks == 2
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("always_one", StaticPolicy)
+    registry.register("always_one", StaticPolicy, replace=True)
+    assert registry.make("always_one").propose(state()).is_zero()
+    with pytest.raises(ValueError, match="identifier"):
+        registry.register("not a name", StaticPolicy)

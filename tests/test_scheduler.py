@@ -1,0 +1,268 @@
+"""The cluster scheduler: path choice, decode priority, pause/fallback, and no double spending."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from policies.lease import LeaseBudgets
+from policies.ledger import LeaseLedger
+from policies.node_policies import HeuristicPolicy, StaticPolicy, UtilisationPolicy
+from policies.node_state import NodeState
+from policies.scheduler import ClusterScheduler, PathQuery
+
+
+class FakeCost:
+    """Prefill at 20k uncached tokens/s (cached tokens are free); KV moves at 1M tokens/s."""
+
+    def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return new_tokens / 20_000
+
+    def kv_transfer_time_s(self, tokens: int) -> float:
+        return tokens / 1_000_000
+
+
+class ConstantPredictor:
+    def __init__(self, tokens_per_s: float) -> None:
+        self.tokens_per_s = tokens_per_s
+
+    def safe_prefill_tokens_per_s(
+        self,
+        decode_batch_size: int,
+        context_tokens_mean: float,
+        context_tokens_std: float,
+        remaining_output_tokens_mean: float,
+        kv_occupancy: float,
+    ) -> float:
+        return self.tokens_per_s
+
+
+def calm(node_id: int, **overrides: float) -> NodeState:
+    base = NodeState(
+        node_id=node_id,
+        time_s=0.0,
+        decode_batch_size=4,
+        context_tokens_mean=2000.0,
+        context_tokens_std=0.0,
+        remaining_output_tokens_mean=100.0,
+        kv_capacity_tokens=200_000,
+        kv_used_tokens=8_000,
+        kv_reserved_tokens=400,
+        queued_decode_requests=0,
+        borrowed_tasks=0,
+        borrowed_prefill_tokens_queued=0,
+        recent_step_time_s=0.02,
+        decode_only_step_time_s=0.02,
+        max_running_requests=32,
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def make_scheduler(
+    safe_tokens_per_s: float = 20_000.0, max_tasks: int = 4, **kwargs: Any
+) -> ClusterScheduler:
+    # margin 1.0, TTL 1 s: each node lends exactly safe_tokens_per_s prefill tokens per lease.
+    policy = HeuristicPolicy(ConstantPredictor(safe_tokens_per_s), ttl_s=1.0, margin=1.0, max_tasks=max_tasks)
+    return ClusterScheduler(policy, LeaseLedger(), FakeCost(), control_interval_s=0.5, **kwargs)
+
+
+def query(request_id: int = 0, *, wait_s: float = 2.0, input_tokens: int = 10_000, **kw: object) -> PathQuery:
+    fields: dict[str, object] = dict(
+        request_id=request_id,
+        session_id=7,
+        input_tokens=input_tokens,
+        expected_output_tokens=500,
+        normal_uncached_tokens=input_tokens,
+        normal_queue_wait_s=wait_s,
+        normal_prefill_worker=0,
+    )
+    fields.update(kw)
+    return PathQuery(**fields)  # type: ignore[arg-type]
+
+
+def test_normal_when_prefill_pool_not_congested() -> None:
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0), calm(1)])
+    d = sched.choose_path(query(wait_s=0.1, decode_cached_tokens={0: 9_000}), 0.0)
+    assert d.path == "normal" and d.reservation_id is None and "not congested" in d.reason
+    assert d.est_normal_s == pytest.approx(0.1 + 0.5 + 0.01)
+    assert sched.ledger.held(0).is_zero()
+
+
+def test_borrow_on_the_node_holding_the_session_prefix() -> None:
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0), calm(1)])
+    d = sched.choose_path(query(decode_cached_tokens={1: 8_000}), 0.0)
+    # Normal: 2 + 10_000/20_000 + 0.01 = 2.51 s. Node 1 computes only 2_000 tokens: 0.1 s, transfers nothing.
+    assert d.path == "borrow" and d.node_id == 1 and d.reservation_id is not None
+    assert d.est_normal_s == pytest.approx(2.51) and d.est_borrow_s == pytest.approx(0.1)
+    assert sched.ledger.held_by(d.reservation_id) == LeaseBudgets(2_000, 10_500, 0, 500, 1)
+    record = sched.records[-1]
+    assert record["kind"] == "decision" and record["path"] == "borrow" and "node 1" in record["reason"]
+
+
+def test_borrow_pulls_a_prefix_cached_on_the_prefill_worker_when_faster() -> None:
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0)])
+    d = sched.choose_path(query(prefill_cached_tokens=9_000, normal_uncached_tokens=1_000, wait_s=5.0), 0.0)
+    # Pull 9_000 (0.009 s) + compute 1_000 (0.05 s) beats computing all 10_000 locally (0.5 s).
+    assert d.path == "borrow" and d.est_borrow_s == pytest.approx(0.059)
+    assert d.reservation_id is not None
+    held = sched.ledger.held_by(d.reservation_id)
+    assert (held.prefill_tokens, held.transfer_tokens) == (1_000, 9_000)
+
+
+def test_normal_when_borrow_does_not_beat_it_by_the_margin() -> None:
+    sched = make_scheduler(safe_tokens_per_s=12_000.0, borrow_margin=0.1)
+    sched.on_control_interval(0.0, [calm(0)])
+    # Normal 0.25 + 0.5 + 0.01 = 0.76 s; borrow 10_000 / 12_000 = 0.833 s.
+    d = sched.choose_path(query(wait_s=0.25), 0.0)
+    assert d.path == "normal" and d.est_borrow_s == pytest.approx(10_000 / 12_000)
+    assert "does not beat" in d.reason and sched.ledger.active_ids() == []
+
+
+def test_two_requests_never_double_spend_one_task_slot() -> None:
+    sched = make_scheduler(max_tasks=1)
+    sched.on_control_interval(0.0, [calm(0)])
+    first = sched.choose_path(query(0), 0.0)
+    second = sched.choose_path(query(1), 0.0)
+    assert first.path == "borrow" and second.path == "normal"
+    assert "no lease can hold it" in second.reason
+
+
+def test_concurrent_choose_path_never_overspends() -> None:
+    sched = make_scheduler(max_tasks=3)
+    sched.on_control_interval(0.0, [calm(0), calm(1)])
+    decisions = []
+    barrier = threading.Barrier(16)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        decisions.append(sched.choose_path(query(i, input_tokens=1_000), 0.0))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    borrowed = [d for d in decisions if d.path == "borrow"]
+    assert len(borrowed) == 6  # 3 task slots on each of 2 nodes
+    assert len({d.reservation_id for d in borrowed}) == 6
+    for node in (0, 1):
+        assert sched.ledger.held(node).fits_within(sched.ledger.lease(node).budgets)  # type: ignore[union-attr]
+
+
+def test_decode_priority_lease_to_zero_within_one_interval() -> None:
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0)])
+    started = sched.choose_path(query(0, input_tokens=2_000), 0.0)
+    waiting = sched.choose_path(query(1, input_tokens=2_000), 0.1)
+    assert started.reservation_id is not None and waiting.reservation_id is not None
+    assert sched.on_task_arrival(started.reservation_id, calm(0), 0.1) == "run"
+    assert sched.on_task_started(started.reservation_id, 0.1)
+
+    revoked = sched.on_control_interval(0.5, [calm(0, queued_decode_requests=2)])
+    assert revoked == [waiting.reservation_id]
+    assert sched.ledger.available(0, 0.5).is_zero()
+    assert sched.ledger.lease(0).budgets.is_zero()  # type: ignore[union-attr]
+    assert sched.ledger.status(started.reservation_id) == "committed"  # started work is never dropped
+    assert sched.on_task_arrival(waiting.reservation_id, calm(0), 0.6) == "fallback"
+    assert not sched.on_task_started(waiting.reservation_id, 0.6)
+    assert sched.choose_path(query(2), 0.6).path == "normal"
+    assert sched.records[-1]["reason"] == "congested but no lease can hold it"
+
+
+def test_pause_on_worse_conditions_then_fallback_before_first_token() -> None:
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0)])
+    d = sched.choose_path(query(), 0.0)
+    assert d.reservation_id is not None
+    slow = calm(0, recent_step_time_s=0.08)  # decode steps now exceed the 50 ms ITL target
+    assert sched.on_task_arrival(d.reservation_id, slow, 0.2) == "pause"
+    assert sched.ledger.status(d.reservation_id) == "reserved"
+    assert sched.on_control_interval(0.5, [slow]) == [d.reservation_id]
+    assert sched.on_task_arrival(d.reservation_id, slow, 0.5) == "fallback"
+    sched.on_fallback(d.reservation_id)  # already revoked: nothing to free, no error
+    arrival = [r for r in sched.records if r["kind"] == "arrival"]
+    assert [r["verdict"] for r in arrival] == ["pause", "fallback"] and "ITL target" in arrival[0]["reason"]
+
+
+def test_expired_lease_falls_back() -> None:
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0)])
+    d = sched.choose_path(query(), 0.0)
+    assert d.reservation_id is not None
+    assert sched.on_task_arrival(d.reservation_id, calm(0), 1.0) == "fallback"  # TTL 1 s ran out
+    assert sched.ledger.status(d.reservation_id) == "expired"
+
+
+def test_life_cycle_releases_compute_at_prefill_end_and_kv_at_finish() -> None:
+    sched = make_scheduler(max_tasks=1)
+    sched.on_control_interval(0.0, [calm(0)])
+    headroom = sched.ledger.available(0, 0.0)
+    d = sched.choose_path(query(input_tokens=4_000), 0.0)
+    rid = d.reservation_id
+    assert rid is not None and sched.on_task_started(rid, 0.0)
+    # Next interval: the committed work is added back, so what is free again is exactly the new headroom.
+    busy = calm(0, borrowed_tasks=1, borrowed_prefill_tokens_queued=4_000)
+    sched.on_control_interval(0.5, [busy])
+    expected_headroom = sched.policy_for(0).propose(busy)
+    assert sched.ledger.lease(0).budgets == expected_headroom + sched.ledger.held_by(rid)  # type: ignore[union-attr]
+    assert sched.ledger.available(0, 0.5) == expected_headroom
+    sched.on_prefill_done(rid)
+    assert sched.ledger.held_by(rid) == LeaseBudgets(kv_tokens=4_500, decode_tokens=500)
+    sched.on_request_finished(rid)
+    assert sched.ledger.status(rid) == "released" and sched.ledger.held(0).is_zero()
+    assert headroom.tasks == 1
+
+
+def test_per_node_policies_and_bounded_records() -> None:
+    heuristic = HeuristicPolicy(ConstantPredictor(20_000.0), margin=1.0)
+    sched = ClusterScheduler(
+        {0: StaticPolicy(), 1: heuristic}, LeaseLedger(), FakeCost(), control_interval_s=0.5, max_records=3
+    )
+    sched.on_control_interval(0.0, [calm(0), calm(1)])
+    decisions = [
+        sched.choose_path(query(i, input_tokens=1_000, decode_cached_tokens={0: 900}), 0.0) for i in range(4)
+    ]
+    assert {d.node_id for d in decisions if d.path == "borrow"} == {
+        1
+    }  # node 0 holds the prefix but never lends
+    assert len(sched.records) == 3 and sched.records[-1]["request_id"] == 3
+    with pytest.raises(KeyError, match="no node policy configured for node 2"):
+        sched.on_control_interval(0.5, [calm(2)])
+
+
+def test_configuration_and_query_validation() -> None:
+    with pytest.raises(ValueError, match="shorter than control_interval_s"):
+        ClusterScheduler(StaticPolicy(ttl_s=0.1), LeaseLedger(), FakeCost(), control_interval_s=0.5)
+    with pytest.raises(ValueError, match="normal_uncached_tokens"):
+        query(normal_uncached_tokens=20_000)
+    with pytest.raises(ValueError, match="input_tokens"):
+        query(input_tokens=-1, normal_uncached_tokens=0)
+
+
+def test_arrived_task_is_not_revoked_for_the_room_it_takes_itself() -> None:
+    sched = make_scheduler(max_tasks=1)
+    sched.on_control_interval(0.0, [calm(0)])
+    arrived = sched.choose_path(query(0, input_tokens=2_000), 0.0)
+    assert arrived.reservation_id is not None
+    assert sched.on_task_arrival(arrived.reservation_id, calm(0), 0.1) == "run"
+    # The node now reports the queued task, so its own headroom is zero tasks; it must still be kept.
+    queued = calm(0, borrowed_tasks=1, borrowed_prefill_tokens_queued=2_000)
+    assert sched.on_control_interval(0.5, [queued]) == []
+    assert sched.on_task_started(arrived.reservation_id, 0.6)
+
+
+def test_policy_without_pressure_hook_zero_proposal_revokes() -> None:
+    policy = UtilisationPolicy(itl_target_s=0.05, threshold=0.5, ttl_s=1.0)
+    sched = ClusterScheduler(policy, LeaseLedger(), FakeCost(), control_interval_s=0.5)
+    sched.on_control_interval(0.0, [calm(0)])
+    d = sched.choose_path(query(input_tokens=1_000), 0.0)
+    assert d.path == "borrow" and d.reservation_id is not None
+    busy = calm(0, recent_step_time_s=0.04)  # utilisation 0.8 >= 0.5: the policy stops lending
+    assert sched.on_task_arrival(d.reservation_id, busy, 0.1) == "pause"
+    assert sched.on_control_interval(0.5, [busy]) == [d.reservation_id]

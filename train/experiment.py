@@ -1,0 +1,158 @@
+"""One experiment point (policy x trace x model x shape x load x seed) and how to run it.
+
+Used by ``crossflow simulate`` (one point) and ``crossflow compare`` (a grid of them), so both build
+traces, clusters and schedulers the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from envs.arrivals import sample_sessions
+from envs.cluster_config import ClusterConfig
+from envs.cost_model import CostModel
+from envs.metrics import SimResult
+from envs.request import Request, Trace
+from envs.simulator import simulate
+from envs.traces import load_trace
+
+DEFAULT_TP: dict[str, int] = {"gpt-oss-120b": 1, "glm-5": 8, "glm-4.5-air": 2, "llama-3.1-70b": 4}
+"""Tensor-parallel degree per worker when the user gives none (the smallest that fits with room for KV)."""
+
+DEFAULT_SESSION_RATE_PER_S: dict[str, float] = {"agent": 0.05}
+"""Closed-loop traces: sessions started per second at load factor 1."""
+
+MAX_THINK_S = 300.0
+"""Think times above this are capped in experiments: a session idle for longer (a person away) adds
+nothing to load and would stretch a replay over days of simulated time."""
+
+CONTROL_INTERVAL_S = 0.5
+
+
+def default_tp(model: str) -> int:
+    return DEFAULT_TP.get(model.lower(), 1)
+
+
+def cap_think_time(trace: Trace, max_s: float) -> Trace:
+    """Copy of ``trace`` whose think times are at most ``max_s`` (closed-loop traces only)."""
+    if not trace.closed_loop or not math.isfinite(max_s):
+        return trace
+    reqs = [r if r.think_time_s <= max_s else dataclasses.replace(r, think_time_s=max_s) for r in trace.requests]
+    return dataclasses.replace(trace, requests=reqs, meta={**trace.meta, "max_think_s": max_s})
+
+
+def head(trace: Trace, n: int | None) -> Trace:
+    """First ``n`` requests (open-loop) or first ``n`` sessions (closed-loop), references kept valid."""
+    if n is None:
+        return trace
+    if trace.closed_loop:
+        keep = set(trace.session_ids[:n])
+        reqs = [r for r in trace.requests if r.session_id in keep]
+    else:
+        reqs = trace.requests[:n]
+    ids = {r.request_id: i for i, r in enumerate(reqs)}
+
+    def remap(r: Request, i: int) -> Request:
+        parent = ids.get(r.parent_id, -1)
+        return dataclasses.replace(
+            r,
+            request_id=i,
+            parent_id=parent,
+            shared_prefix_tokens=r.shared_prefix_tokens if parent >= 0 else 0,
+            depends_on=ids.get(r.depends_on, -1),
+        )
+
+    return dataclasses.replace(trace, requests=[remap(r, i) for i, r in enumerate(reqs)])
+
+
+@dataclass(frozen=True)
+class Point:
+    """One simulation of the grid."""
+
+    policy: str = "static"
+    trace: str = "agent"
+    model: str = "gpt-oss-120b"
+    gpu: str = "H200"
+    tp: int | None = None
+    shape: str = "2P4D"
+    load: float = 1.0
+    session_rate_per_s: float | None = None
+    max_requests: int | None = None
+    """Open-loop: first N requests; closed-loop: first N sessions (None: the whole trace)."""
+    seed: int = 0
+    max_think_s: float = MAX_THINK_S
+
+    @property
+    def resolved_tp(self) -> int:
+        return self.tp if self.tp is not None else default_tp(self.model)
+
+    def cluster(self) -> ClusterConfig:
+        return ClusterConfig.from_shape(
+            self.shape, gpu=self.gpu, model=self.model, tp=self.resolved_tp, control_interval_s=CONTROL_INTERVAL_S
+        )
+
+    def label(self) -> str:
+        return f"{self.policy}|{self.trace}|{self.model}|{self.shape}|load={self.load:g}|seed={self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tp"] = self.resolved_tp
+        return d
+
+
+def prepare_trace(point: Point) -> Trace:
+    trace = head(load_trace(point.trace), point.max_requests)
+    return cap_think_time(trace, point.max_think_s)
+
+
+def session_rate(point: Point, trace: Trace) -> float | None:
+    if not trace.closed_loop:
+        return None
+    if point.session_rate_per_s is not None:
+        return point.session_rate_per_s
+    return DEFAULT_SESSION_RATE_PER_S.get(point.trace, 0.05)
+
+
+def build_scheduler(policy: str, config: ClusterConfig, cost_model: CostModel, **policy_kwargs: Any) -> Any:
+    """The cluster scheduler for ``policy`` (None for ``static``: every request takes the normal path)."""
+    if policy == "static":
+        return None
+    from policies.ledger import LeaseLedger
+    from policies.node_policies import make_node_policy
+    from policies.scheduler import ClusterScheduler
+
+    kwargs = dict(policy_kwargs)
+    if policy in ("heuristic", "rl") and "predictor" not in kwargs:
+        from interference_model.artifact import default_predictor
+
+        kwargs["predictor"] = default_predictor(config.gpu, config.model, config.tp)
+    if policy in ("heuristic", "utilisation"):
+        kwargs.setdefault("itl_target_s", config.slo_itl_s)
+    node_policy = make_node_policy(policy, **kwargs)
+    return ClusterScheduler(
+        node_policy, LeaseLedger(), cost_model, control_interval_s=config.control_interval_s
+    )
+
+
+def run_point(point: Point, *, progress: bool = False, trace: Trace | None = None) -> SimResult:
+    """Simulate one point (deterministic in ``point``)."""
+    trace = trace if trace is not None else prepare_trace(point)
+    config = point.cluster()
+    cost_model = CostModel(config.gpu, config.model, config.tp)
+    scheduler = build_scheduler(point.policy, config, cost_model)
+    return simulate(
+        trace,
+        config,
+        scheduler=scheduler,
+        cost_model=cost_model,
+        load_factor=point.load,
+        session_rate_per_s=session_rate(point, trace),
+        seed=point.seed,
+        progress=progress,
+    )
+
+
+__all__ = ["Point", "build_scheduler", "cap_think_time", "head", "prepare_trace", "run_point", "sample_sessions"]
