@@ -169,3 +169,14 @@ def test_prefix_segments_match_a_naive_walk_on_a_random_forest() -> None:
 
     for rid in list(range(400)) + [int(x) for x in rng.integers(0, 400, 400)]:
         assert idx.segments(rid) == naive(rid)
+
+
+@pytest.mark.parametrize("name", ["agent", "mooncake", "mooncake-synthetic", "azure-code"])
+def test_every_bundled_trace_replays(name: str) -> None:
+    from train.experiment import Point, run_point
+
+    res = run_point(Point(trace=name, max_requests=40 if name == "agent" else 300, session_rate_per_s=0.01))
+    m = res.metrics
+    assert m.n_finished == m.n_requests > 0
+    assert m.input_tokens_per_s > 0 and m.output_tokens_per_s > 0
+    assert 0 < m.ttft_p50_s <= m.ttft_p99_s and 0 < m.itl_p50_s <= m.itl_p99_s
