@@ -38,7 +38,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the full-trace replay")
     parser.add_argument("--rate", type=float, default=0.003, help="agent sessions started per second")
     args = parser.parse_args()
-    print(f"{'sessions':>8} {'shape':>6} {'requests':>8} {'wall s':>7} {'req/s':>8} {'decode iters/s':>14} {'events/s':>9}")
+    header = ("sessions", "shape", "requests", "wall s", "req/s", "decode iters/s", "events/s")
+    print("{:>8} {:>6} {:>8} {:>7} {:>8} {:>14} {:>9}".format(*header))
     cases = [(50, "2P4D"), (100, "2P4D"), (200, "2P4D"), (100, "4P8D"), (100, "8P16D")]
     if not args.quick:
         cases.insert(0, (None, "2P4D"))

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from envs.arrivals import poisson_session_starts
+from envs.arrivals import curve_session_starts, poisson_session_starts
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.metrics import SimResult, build_result
@@ -201,6 +201,7 @@ class Simulator:
         session_rate_per_s: float | None = None,
         seed: int = 0,
         max_time_s: float = math.inf,
+        session_rate_curve: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         if load_factor <= 0:
             raise ValueError(f"load_factor must be positive, got {load_factor}")
@@ -218,7 +219,9 @@ class Simulator:
         self._children: dict[int, list[int]] = {}
         self.index = PrefixIndex(trace.requests, config.page_tokens)
         cap_pages = int(self.cm.kv_capacity_tokens * config.prefill_cache_fraction) // config.page_tokens
-        self.prefill = [_PrefillWorker(i, PrefixCache(self.index, cap_pages)) for i in range(config.n_prefill)]
+        self.prefill = [
+            _PrefillWorker(i, PrefixCache(self.index, cap_pages)) for i in range(config.n_prefill)
+        ]
         self.decode = [
             _DecodeWorker(
                 i,
@@ -234,14 +237,19 @@ class Simulator:
         self.itl_segments: list[tuple[float, float, int, int]] = []
         self.node_timeline: list[tuple[float, int, float, int, int]] = []
         self._tick_pending = False
-        self._schedule_arrivals(load_factor, session_rate_per_s)
+        self._schedule_arrivals(load_factor, session_rate_per_s, session_rate_curve)
 
     # ---------------------------------------------------------------- events
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, kind, self._seq, a, b))
 
-    def _schedule_arrivals(self, load_factor: float, session_rate_per_s: float | None) -> None:
+    def _schedule_arrivals(
+        self,
+        load_factor: float,
+        session_rate_per_s: float | None,
+        curve: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
         requests = self.trace.requests
         if not self.trace.closed_loop:
             for r in requests:
@@ -253,7 +261,16 @@ class Simulator:
         sessions = self.trace.session_ids
         if session_rate_per_s is None:
             raise ValueError("closed-loop trace needs session_rate_per_s (sessions started per second)")
-        starts = poisson_session_starts(len(sessions), session_rate_per_s * load_factor, self.rng)
+        rate = session_rate_per_s * load_factor
+        if curve is None:
+            starts = poisson_session_starts(len(sessions), rate, self.rng)
+        else:  # the curve's shape, rescaled so its time-weighted mean rate is ``rate``
+            times, rates = (np.asarray(a, dtype=np.float64) for a in curve)
+            widths = np.diff(times, append=times[-1] + (times[-1] - times[-2] if len(times) > 1 else 1.0))
+            mean = float(np.sum(rates * widths) / np.sum(widths))
+            if mean <= 0:
+                raise ValueError("session_rate_curve has no positive rate")
+            starts = curve_session_starts(len(sessions), times, rates * (rate / mean), self.rng)
         start_of = dict(zip(sessions, starts, strict=True))
         for r in requests:
             if r.depends_on < 0:
@@ -325,7 +342,9 @@ class Simulator:
         cached = min(match, req.input - 1)
         uncached = req.input - cached
         decode_cached = {
-            w.idx: min(w.cache.match_tokens(req.rid), req.input - 1) for w in self.decode if w.cache is not None
+            w.idx: min(w.cache.match_tokens(req.rid), req.input - 1)
+            for w in self.decode
+            if w.cache is not None
         }
         query = PathQuery(
             request_id=req.rid,
@@ -717,7 +736,9 @@ class Simulator:
         if n:
             ctx_sum = sum(r.context for r in running)
             ctx_mean = ctx_sum / n
-            ctx_std = math.sqrt(max(0.0, sum(r.context * r.context for r in running) / n - ctx_mean * ctx_mean))
+            ctx_std = math.sqrt(
+                max(0.0, sum(r.context * r.context for r in running) / n - ctx_mean * ctx_mean)
+            )
             rem = sum(r.output - r.generated for r in running) / n
         else:
             ctx_mean = ctx_std = rem = 0.0
@@ -789,12 +810,15 @@ def simulate(
     progress: bool = False,
     max_time_s: float = math.inf,
     cost_model: CostModel | None = None,
+    session_rate_curve: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> SimResult:
     """Replay ``trace`` through ``config`` and return per-request records and run metrics.
 
     Open-loop traces arrive at ``arrival_s / load_factor``; closed-loop (agent) traces start their
-    sessions as a Poisson process of ``session_rate_per_s * load_factor`` and release each request
-    its think time after the request it depends on finished. Same seed, same result.
+    sessions as a Poisson process of ``session_rate_per_s * load_factor`` (or, with
+    ``session_rate_curve=(times_s, rates)``, a non-homogeneous one of that shape and mean) and
+    release each request its think time after the request it depends on finished. Same seed, same
+    result.
     """
     sim = Simulator(
         trace,
@@ -805,6 +829,7 @@ def simulate(
         session_rate_per_s=session_rate_per_s,
         seed=seed,
         max_time_s=max_time_s,
+        session_rate_curve=session_rate_curve,
     )
     if not progress:
         return sim.run()

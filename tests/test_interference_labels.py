@@ -124,7 +124,7 @@ def test_ratio_floor_target_is_the_looser_of_both() -> None:
     t = ItlTarget.parse("1.5x|25ms")
     assert (t.kind, t.value, t.floor_ms, str(t)) == ("ratio_floor", 1.5, 25.0, "1.5x|25ms")
     assert t.target_s(np.array([0.004, 0.02, 0.05])).tolist() == pytest.approx([0.025, 0.03, 0.075])
-    with pytest.raises(ValueError, match="1.5x"):
+    with pytest.raises(ValueError, match=r"1\.5x"):
         ItlTarget.parse("1.5x|25")
     with pytest.raises(ValueError, match="floor_ms"):
         ItlTarget("ratio_floor", 1.5, 0.0)

@@ -51,7 +51,9 @@ def test_chunked_prefill_splits_long_prompt() -> None:
 
 def test_conservation_and_token_counts_closed_loop() -> None:
     trace = session_trace(n_sessions=6, turns=5)
-    sim = Simulator(trace, ClusterConfig(n_prefill=2, n_decode=3, page_tokens=256), session_rate_per_s=2.0, seed=3)
+    sim = Simulator(
+        trace, ClusterConfig(n_prefill=2, n_decode=3, page_tokens=256), session_rate_per_s=2.0, seed=3
+    )
     res = sim.run()
     assert res.metrics.n_finished == len(trace)
     assert all(r.generated == r.output for r in sim.reqs)
@@ -62,7 +64,10 @@ def test_conservation_and_token_counts_closed_loop() -> None:
     by_id = df.set_index("request_id")
     for r in trace.requests:
         if r.depends_on >= 0:
-            assert by_id.loc[r.request_id, "arrival_s"] >= by_id.loc[r.depends_on, "finish_s"] + r.think_time_s - 1e-9
+            assert (
+                by_id.loc[r.request_id, "arrival_s"]
+                >= by_id.loc[r.depends_on, "finish_s"] + r.think_time_s - 1e-9
+            )
 
 
 def test_same_seed_same_result_and_seed_matters() -> None:
@@ -78,9 +83,12 @@ def test_same_seed_same_result_and_seed_matters() -> None:
 def test_decode_jumps_are_exact() -> None:
     """Simulating identical iterations as one jump gives the same token times as one by one."""
     rng = np.random.default_rng(0)
-    rows = [(float(t), int(n), int(o)) for t, n, o in zip(np.sort(rng.uniform(0, 5, 40)),
-                                                           rng.integers(100, 3000, 40),
-                                                           rng.integers(1, 300, 40), strict=True)]
+    rows = [
+        (float(t), int(n), int(o))
+        for t, n, o in zip(
+            np.sort(rng.uniform(0, 5, 40)), rng.integers(100, 3000, 40), rng.integers(1, 300, 40), strict=True
+        )
+    ]
     cm = LinearCostModel(per_context_token_s=1e-7, per_decode_request_s=2e-4)
     cfg = _cfg(n_decode=2)
     jumped = simulate(open_trace(rows), cfg, cost_model=cm)  # type: ignore[arg-type]
@@ -122,7 +130,9 @@ def test_prefix_cache_lru_evicts_leaves_first() -> None:
 def test_retraction_when_kv_runs_out_still_finishes_everything() -> None:
     cm = LinearCostModel(kv_capacity_tokens=6000)
     rows = [(0.0, 1000, 400) for _ in range(6)]
-    sim = Simulator(open_trace(rows), _cfg(decode_reserve_ratio=0.0, decode_prefix_cache=False), cost_model=cm)  # type: ignore[arg-type]
+    sim = Simulator(
+        open_trace(rows), _cfg(decode_reserve_ratio=0.0, decode_prefix_cache=False), cost_model=cm
+    )  # type: ignore[arg-type]
     res = sim.run()
     assert res.metrics.retractions > 0
     assert res.metrics.n_finished == 6
@@ -180,3 +190,19 @@ def test_every_bundled_trace_replays(name: str) -> None:
     assert m.n_finished == m.n_requests > 0
     assert m.input_tokens_per_s > 0 and m.output_tokens_per_s > 0
     assert 0 < m.ttft_p50_s <= m.ttft_p99_s and 0 < m.itl_p50_s <= m.itl_p99_s
+
+
+def test_session_rate_curve_shapes_session_starts() -> None:
+    """A curve with all its rate in the second hour starts every session in the second hour."""
+    trace = session_trace(n_sessions=20, turns=1)
+    curve = (np.array([0.0, 3600.0, 7200.0]), np.array([0.0, 1.0, 0.0]))
+    res = simulate(
+        trace,
+        _cfg(n_decode=2),
+        cost_model=LinearCostModel(),
+        session_rate_per_s=0.005,  # type: ignore[arg-type]
+        session_rate_curve=curve,
+        seed=1,
+    )
+    starts = res.requests["arrival_s"] - 1.0  # think time of a first turn is 1 s
+    assert (starts >= 3600.0).all() and (starts < 7200.0).all()

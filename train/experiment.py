@@ -40,7 +40,9 @@ def cap_think_time(trace: Trace, max_s: float) -> Trace:
     """Copy of ``trace`` whose think times are at most ``max_s`` (closed-loop traces only)."""
     if not trace.closed_loop or not math.isfinite(max_s):
         return trace
-    reqs = [r if r.think_time_s <= max_s else dataclasses.replace(r, think_time_s=max_s) for r in trace.requests]
+    reqs = [
+        r if r.think_time_s <= max_s else dataclasses.replace(r, think_time_s=max_s) for r in trace.requests
+    ]
     return dataclasses.replace(trace, requests=reqs, meta={**trace.meta, "max_think_s": max_s})
 
 
@@ -84,6 +86,9 @@ class Point:
     """Open-loop: first N requests; closed-loop: first N sessions (None: the whole trace)."""
     seed: int = 0
     max_think_s: float = MAX_THINK_S
+    rate_curve: str | None = None
+    """Closed-loop traces: start sessions along a bundled ServeGen day curve (e.g. ``"m-large"``,
+    ``"m-large@3"`` for day 3) rescaled to the session rate, instead of a constant-rate Poisson process."""
 
     @property
     def resolved_tp(self) -> int:
@@ -91,7 +96,11 @@ class Point:
 
     def cluster(self) -> ClusterConfig:
         return ClusterConfig.from_shape(
-            self.shape, gpu=self.gpu, model=self.model, tp=self.resolved_tp, control_interval_s=CONTROL_INTERVAL_S
+            self.shape,
+            gpu=self.gpu,
+            model=self.model,
+            tp=self.resolved_tp,
+            control_interval_s=CONTROL_INTERVAL_S,
         )
 
     def label(self) -> str:
@@ -114,6 +123,16 @@ def session_rate(point: Point, trace: Trace) -> float | None:
     if point.session_rate_per_s is not None:
         return point.session_rate_per_s
     return DEFAULT_SESSION_RATE_PER_S.get(point.trace, 0.05)
+
+
+def rate_curve(point: Point) -> tuple[Any, Any] | None:
+    """The session-start rate curve of ``point`` (one day of a ServeGen model), or None."""
+    if point.rate_curve is None:
+        return None
+    from envs.arrivals import load_servegen_curve
+
+    model, _, day = point.rate_curve.partition("@")
+    return load_servegen_curve(model, days=1, start_day=int(day) if day else 0)
 
 
 def build_scheduler(policy: str, config: ClusterConfig, cost_model: CostModel, **policy_kwargs: Any) -> Any:
@@ -152,7 +171,16 @@ def run_point(point: Point, *, progress: bool = False, trace: Trace | None = Non
         session_rate_per_s=session_rate(point, trace),
         seed=point.seed,
         progress=progress,
+        session_rate_curve=rate_curve(point) if trace.closed_loop else None,
     )
 
 
-__all__ = ["Point", "build_scheduler", "cap_think_time", "head", "prepare_trace", "run_point", "sample_sessions"]
+__all__ = [
+    "Point",
+    "build_scheduler",
+    "cap_think_time",
+    "head",
+    "prepare_trace",
+    "run_point",
+    "sample_sessions",
+]

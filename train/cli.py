@@ -1,0 +1,175 @@
+"""The ``crossflow`` command line: one subcommand per user journey step.
+
+Every subcommand that produces figures takes ``--json PATH`` and writes them machine-readable too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# W&B stays offline unless the user logged in and asked for online mode.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def write_json(path: str | Path | None, payload: Any) -> None:
+    """Write ``payload`` as JSON atomically (temp file + rename); no-op when ``path`` is None."""
+    if not path:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    tmp.replace(path)
+
+
+def _json_default(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="replay one trace through one simulated PD cluster and print its metrics",
+        description="Replay a bundled trace (or a trace file of a supported format) through a simulated "
+        "prefill/decode-disaggregated cluster and print the figures an SGLang operator looks at.",
+    )
+    p.add_argument(
+        "--trace", default="agent", help="bundled trace name or path to a trace file (default: agent)"
+    )
+    p.add_argument("--shape", default="2P4D", help="cluster shape xPyD (default: 2P4D)")
+    p.add_argument("--gpu", default="H200", help="GPU of every worker (default: H200)")
+    p.add_argument("--model", default="gpt-oss-120b", help="served model (default: gpt-oss-120b)")
+    p.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel degree per worker (default: per model)"
+    )
+    p.add_argument("--policy", default="static", help="lease policy: static, utilisation, heuristic, rl")
+    p.add_argument(
+        "--load", type=float, default=1.0, help="load factor: scales arrival (or session start) rate"
+    )
+    p.add_argument(
+        "--session-rate",
+        type=float,
+        default=None,
+        help="closed-loop traces: sessions started per second at load 1 (default: trace's own)",
+    )
+    p.add_argument(
+        "--rate-curve",
+        default=None,
+        metavar="MODEL[@DAY]",
+        help="closed-loop traces: start sessions along a ServeGen day curve (m-large, m-mid, "
+        "m-small, deepseek-r1, mm-image) instead of a constant rate",
+    )
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests/sessions")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from train.experiment import Point, run_point
+
+    point = Point(
+        policy=args.policy,
+        trace=args.trace,
+        model=args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        shape=args.shape,
+        load=args.load,
+        session_rate_per_s=args.session_rate,
+        max_requests=args.max_requests,
+        seed=args.seed,
+        rate_curve=args.rate_curve,
+    )
+    result = run_point(point, progress=not args.no_progress)
+    m = result.metrics
+    rows = [
+        ("requests finished", f"{m.n_finished} / {m.n_requests}"),
+        ("simulated duration", f"{m.duration_s:,.1f} s"),
+        ("input throughput", f"{m.input_tokens_per_s:,.0f} tok/s"),
+        ("output throughput", f"{m.output_tokens_per_s:,.0f} tok/s"),
+        ("TTFT mean / p50 / p99", f"{m.ttft_mean_s:.3f} / {m.ttft_p50_s:.3f} / {m.ttft_p99_s:.3f} s"),
+        (
+            "ITL mean / p50 / p99",
+            f"{1e3 * m.itl_mean_s:.1f} / {1e3 * m.itl_p50_s:.1f} / {1e3 * m.itl_p99_s:.1f} ms",
+        ),
+        ("E2E mean / p99", f"{m.e2e_mean_s:.2f} / {m.e2e_p99_s:.2f} s"),
+        ("SLO attainment", f"{100 * m.slo_attainment:.1f} %"),
+        ("prefix-cache hit share", f"{100 * m.prefix_hit_share:.1f} %"),
+        ("borrowed / fallback", f"{100 * m.borrowed_share:.1f} % / {100 * m.fallback_share:.1f} %"),
+        (
+            "utilisation prefill / decode",
+            f"{100 * m.prefill_utilisation:.0f} % / {100 * m.decode_utilisation:.0f} %",
+        ),
+        ("retractions", f"{m.retractions}"),
+    ]
+    cfg = result.config
+    print(
+        f"{result.trace_name} on {cfg.shape} {cfg.model} / {cfg.gpu} TP{cfg.tp}, policy {args.policy}, "
+        f"load {args.load:g}, seed {args.seed}"
+    )
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    write_json(args.json, result.to_json_dict())
+    return 0
+
+
+def _optional(
+    add: Callable[[argparse._SubParsersAction], None] | None, sub: argparse._SubParsersAction
+) -> None:
+    if add is not None:
+        add(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="crossflow",
+        description="Crossflow: lease-based prefill borrowing for PD-disaggregated LLM serving.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_simulate(sub)
+    from train import compare as compare_cmd
+    from train import interference_cli
+
+    compare_cmd.add_parser(sub)
+    interference_cli.add_profile_parser(sub)
+    interference_cli.add_fit_parser(sub)
+    interference_cli.add_eval_parser(sub)
+    try:
+        from train import rl_cli
+    except ImportError:  # the RL extra (torch, stable-baselines3) is not installed
+        rl_cli = None  # type: ignore[assignment]
+    if rl_cli is not None:
+        rl_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"crossflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
