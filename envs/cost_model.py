@@ -44,15 +44,23 @@ TABLE_TOKENS = 16384
 
 # --- Per-operator formulas (vectorised over numpy arrays; also used by envs.calibration) -----------
 
+
 def gemm_efficiency(gpu: GPUSpec, rows: np.ndarray) -> np.ndarray:
     """Fraction of peak a GEMM with ``rows`` rows (M dimension) reaches; log2-interpolated, flat outside."""
     knots = np.log2(np.asarray(gpu.gemm_efficiency_tokens, dtype=np.float64))
     return np.interp(np.log2(np.maximum(rows, 1.0)), knots, np.asarray(gpu.gemm_efficiency))
 
 
-def gemm_time_s(gpu: GPUSpec, rows: np.ndarray, k: np.ndarray | float, n: np.ndarray | float, *,
-                matrices: np.ndarray | float = 1.0,
-                weight_bytes_per_param: float = 2.0, peak_flops_per_s: float | None = None) -> np.ndarray:
+def gemm_time_s(
+    gpu: GPUSpec,
+    rows: np.ndarray,
+    k: np.ndarray | float,
+    n: np.ndarray | float,
+    *,
+    matrices: np.ndarray | float = 1.0,
+    weight_bytes_per_param: float = 2.0,
+    peak_flops_per_s: float | None = None,
+) -> np.ndarray:
     """Time of ``[rows, k] x [k, n]`` spread over ``matrices`` weight matrices (grouped MoE GEMM).
 
     ``rows`` counts all rows over all matrices; each matrix sees ``rows / matrices`` of them. Zero rows
@@ -86,8 +94,9 @@ def allreduce_time_s(gpu: GPUSpec, size_bytes: np.ndarray, tp: int) -> np.ndarra
     return np.where(size_bytes > 0, gpu.allreduce_latency_s + wire_s, 0.0)
 
 
-def attention_prefill_time_s(gpu: GPUSpec, flops: np.ndarray, query_head_rows: np.ndarray | float = 0.0
-                             ) -> np.ndarray:
+def attention_prefill_time_s(
+    gpu: GPUSpec, flops: np.ndarray, query_head_rows: np.ndarray | float = 0.0
+) -> np.ndarray:
     """One layer's prefill attention on one GPU performing ``flops`` (BF16) for ``query_head_rows``
     (new tokens x query heads on the GPU): a per-row cost (softmax state, Q/O traffic) plus the math."""
     flops = np.asarray(flops, dtype=np.float64)
@@ -96,14 +105,17 @@ def attention_prefill_time_s(gpu: GPUSpec, flops: np.ndarray, query_head_rows: n
     return np.where(flops > 0, gpu.attention_prefill_launch_s + rows_s + compute_s, 0.0)
 
 
-def attention_decode_time_s(gpu: GPUSpec, batch: np.ndarray, kv_bytes: np.ndarray,
-                            flops: np.ndarray | float = 0.0) -> np.ndarray:
+def attention_decode_time_s(
+    gpu: GPUSpec, batch: np.ndarray, kv_bytes: np.ndarray, flops: np.ndarray | float = 0.0
+) -> np.ndarray:
     """One layer's decode attention on one GPU: ``batch`` requests reading ``kv_bytes`` of KV cache."""
     batch = np.asarray(batch, dtype=np.float64)
     read_s = np.asarray(kv_bytes, dtype=np.float64) / (
-        gpu.hbm_bytes_per_s * gpu.attention_decode_memory_efficiency)
+        gpu.hbm_bytes_per_s * gpu.attention_decode_memory_efficiency
+    )
     compute_s = np.asarray(flops, dtype=np.float64) / (
-        gpu.bf16_tflops * 1e12 * gpu.attention_prefill_efficiency)
+        gpu.bf16_tflops * 1e12 * gpu.attention_prefill_efficiency
+    )
     busy_s = gpu.attention_decode_launch_s + batch * gpu.attention_decode_per_request_s
     return np.where(batch > 0, busy_s + np.maximum(read_s, compute_s), 0.0)
 
@@ -116,6 +128,7 @@ def expected_active_experts(experts: int, active_per_token: int, tokens: np.ndar
 
 # --- Model-level bookkeeping --------------------------------------------------------------------
 
+
 def attention_projection_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[float, float]]:
     """(k, n) of every attention projection of one layer as one of ``tp`` GPUs holds it.
 
@@ -125,8 +138,10 @@ def attention_projection_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[flo
     hq, dqk, dv, h = model.q_heads, model.head_dim, model.value_head_dim, model.hidden
     if model.attention == "mla":
         q: list[tuple[float, float]] = (
-            [(h, model.q_lora_rank), (model.q_lora_rank, hq * dqk / tp)] if model.q_lora_rank
-            else [(h, hq * dqk / tp)])
+            [(h, model.q_lora_rank), (model.q_lora_rank, hq * dqk / tp)]
+            if model.q_lora_rank
+            else [(h, hq * dqk / tp)]
+        )
         nope = dqk - model.rope_head_dim
         kv = [(h, model.kv_lora_rank + model.rope_head_dim), (model.kv_lora_rank, hq * (nope + dv) / tp)]
         return [*q, *kv, (hq * dv / tp, h)]
@@ -144,8 +159,13 @@ def weight_params(model: ModelSpec) -> dict[str, float]:
     experts = model.moe_layers * (model.experts + model.shared_experts) * expert_size
     router = model.moe_layers * model.hidden * model.experts
     embeddings = model.vocab * model.hidden * (1 if model.tied_embeddings else 2)
-    return {"attention": attention, "dense_ffn": dense_ffn, "experts": experts, "router": router,
-            "embeddings": embeddings}
+    return {
+        "attention": attention,
+        "dense_ffn": dense_ffn,
+        "experts": experts,
+        "router": router,
+        "embeddings": embeddings,
+    }
 
 
 def weight_bytes(model: ModelSpec) -> float:
@@ -177,8 +197,9 @@ def kv_transfer_bytes_per_token(model: ModelSpec) -> float:
     return 2.0 * model.kv_heads * model.head_dim * element * model.full_attention_layers
 
 
-def elementwise_bytes_per_token(hidden: int, qk_heads_per_gpu: float, head_dim: int,
-                                ffn_width_per_gpu: float, gated: bool = True) -> float:
+def elementwise_bytes_per_token(
+    hidden: int, qk_heads_per_gpu: float, head_dim: int, ffn_width_per_gpu: float, gated: bool = True
+) -> float:
     """Bytes one token streams through one layer's element-wise kernels on one GPU.
 
     Two RMSNorms (read + write hidden), rotary on q and k (read + write), the activation (gated: read
@@ -190,6 +211,7 @@ def elementwise_bytes_per_token(hidden: int, qk_heads_per_gpu: float, head_dim: 
 
 
 # --- The cost model -----------------------------------------------------------------------------
+
 
 class CostModel:
     """Iteration timing, KV size and KV capacity of one worker: ``model`` on ``tp`` x ``gpu``.
@@ -206,8 +228,15 @@ class CostModel:
         ValueError: bad arguments, or the weights plus activation reserve do not fit in the memory.
     """
 
-    def __init__(self, gpu: GPUSpec | str, model: ModelSpec | str, tp: int = 1, *,
-                 kv_memory_fraction: float = 0.9, iteration_overhead_s: float | None = None) -> None:
+    def __init__(
+        self,
+        gpu: GPUSpec | str,
+        model: ModelSpec | str,
+        tp: int = 1,
+        *,
+        kv_memory_fraction: float = 0.9,
+        iteration_overhead_s: float | None = None,
+    ) -> None:
         self.gpu: GPUSpec = get_gpu(gpu) if isinstance(gpu, str) else gpu
         self.model: ModelSpec = get_model(model) if isinstance(model, str) else model
         if not isinstance(tp, int) or tp < 1:
@@ -218,7 +247,8 @@ class CostModel:
             raise ValueError(f"iteration_overhead_s must be >= 0, got {iteration_overhead_s}")
         self.tp: int = tp
         self.iteration_overhead_s: float = (
-            DEFAULT_ITERATION_OVERHEAD_S if iteration_overhead_s is None else iteration_overhead_s)
+            DEFAULT_ITERATION_OVERHEAD_S if iteration_overhead_s is None else iteration_overhead_s
+        )
         m = self.model
 
         per_gpu_layer = kv_bytes_per_token_per_gpu_layer(m, tp)
@@ -234,7 +264,8 @@ class CostModel:
                 f"{m.name} does not fit on {tp} x {self.gpu.name}: "
                 f"weights {self.weight_bytes / 1e9:.1f} GB + "
                 f"activation reserve {self.activation_reserve_bytes / 1e9:.1f} GB > "
-                f"{kv_memory_fraction:.2f} x {tp} x {self.gpu.hbm_gb:g} GB; raise tp")
+                f"{kv_memory_fraction:.2f} x {tp} x {self.gpu.hbm_gb:g} GB; raise tp"
+            )
         self.kv_capacity_tokens: int = int(free_bytes // self.kv_bytes_per_token)
 
         # Per-pair / per-context-token coefficients of the attention terms (all layers, one GPU).
@@ -254,11 +285,14 @@ class CostModel:
         math_s = decode_flops_per_ctx / (self.gpu.bf16_tflops * 1e12 * self.gpu.attention_prefill_efficiency)
         per_ctx_layer_s = max(read_s, math_s)
         self._decode_s_per_ctx_token = kv_layers * per_ctx_layer_s
-        self._decode_s_per_request = (m.layers * self.gpu.attention_decode_per_request_s
-                                      + self._sliding_layers * self._sliding_window_tokens * per_ctx_layer_s)
+        self._decode_s_per_request = (
+            m.layers * self.gpu.attention_decode_per_request_s
+            + self._sliding_layers * self._sliding_window_tokens * per_ctx_layer_s
+        )
         self._decode_fixed_s = m.layers * self.gpu.attention_decode_launch_s
         prefill_pair_s = self._prefill_flops_per_pair / (
-            self.gpu.bf16_tflops * 1e12 * self.gpu.attention_prefill_efficiency)
+            self.gpu.bf16_tflops * 1e12 * self.gpu.attention_prefill_efficiency
+        )
         self._prefill_s_per_pair_full = kv_layers * prefill_pair_s
         self._prefill_s_per_pair_sliding = self._sliding_layers * prefill_pair_s
         self._prefill_fixed_s = m.layers * self.gpu.attention_prefill_launch_s
@@ -289,54 +323,104 @@ class CostModel:
         ffn_peak = gpu.peak_flops_per_s(m.weight_precision)
         ffn_bpp = BYTES_PER_PARAM[m.weight_precision]
 
-        attention_s = sum(gemm_time_s(gpu, tokens, k, n, weight_bytes_per_param=dense_bpp,
-                                      peak_flops_per_s=dense_peak)
-                          for k, n in attention_projection_shapes(m, tp))
+        attention_s = sum(
+            gemm_time_s(gpu, tokens, k, n, weight_bytes_per_param=dense_bpp, peak_flops_per_s=dense_peak)
+            for k, n in attention_projection_shapes(m, tp)
+        )
         qk_heads_gpu = m.q_heads / tp + (1.0 if m.attention == "mla" else max(m.kv_heads / tp, 1.0))
         allreduce_s = 2.0 * allreduce_time_s(gpu, tokens * m.hidden * ACTIVATION_BYTES, tp)
         up = 2 if m.gated_mlp else 1
 
         def dense_ffn_s(width: float) -> np.ndarray:
-            return (gemm_time_s(gpu, tokens, m.hidden, up * width / tp, weight_bytes_per_param=ffn_bpp,
-                                peak_flops_per_s=ffn_peak)
-                    + gemm_time_s(gpu, tokens, width / tp, m.hidden, weight_bytes_per_param=ffn_bpp,
-                                  peak_flops_per_s=ffn_peak))
+            return gemm_time_s(
+                gpu,
+                tokens,
+                m.hidden,
+                up * width / tp,
+                weight_bytes_per_param=ffn_bpp,
+                peak_flops_per_s=ffn_peak,
+            ) + gemm_time_s(
+                gpu, tokens, width / tp, m.hidden, weight_bytes_per_param=ffn_bpp, peak_flops_per_s=ffn_peak
+            )
 
         common_s = attention_s + allreduce_s
         if not m.is_moe:
-            layer_s = common_s + dense_ffn_s(m.intermediate) + elementwise_time_s(
-                gpu, tokens, elementwise_bytes_per_token(m.hidden, qk_heads_gpu, m.head_dim,
-                                                         m.intermediate / tp, m.gated_mlp))
+            layer_s = (
+                common_s
+                + dense_ffn_s(m.intermediate)
+                + elementwise_time_s(
+                    gpu,
+                    tokens,
+                    elementwise_bytes_per_token(
+                        m.hidden, qk_heads_gpu, m.head_dim, m.intermediate / tp, m.gated_mlp
+                    ),
+                )
+            )
             return np.asarray(m.layers * layer_s)
 
         total = np.zeros_like(tokens)
         if m.dense_layers:
-            dense_layer_s = common_s + dense_ffn_s(m.intermediate) + elementwise_time_s(
-                gpu, tokens, elementwise_bytes_per_token(m.hidden, qk_heads_gpu, m.head_dim,
-                                                         m.intermediate / tp, m.gated_mlp))
+            dense_layer_s = (
+                common_s
+                + dense_ffn_s(m.intermediate)
+                + elementwise_time_s(
+                    gpu,
+                    tokens,
+                    elementwise_bytes_per_token(
+                        m.hidden, qk_heads_gpu, m.head_dim, m.intermediate / tp, m.gated_mlp
+                    ),
+                )
+            )
             total += m.dense_layers * dense_layer_s
         rows = tokens * m.active_experts
         active = expected_active_experts(m.experts, m.active_experts, tokens)
         ie = m.expert_intermediate
-        experts_s = (gemm_time_s(gpu, rows, m.hidden, up * ie / tp, matrices=active,
-                                 weight_bytes_per_param=ffn_bpp, peak_flops_per_s=ffn_peak)
-                     + gemm_time_s(gpu, rows, ie / tp, m.hidden, matrices=active,
-                                   weight_bytes_per_param=ffn_bpp, peak_flops_per_s=ffn_peak))
-        router_s = gemm_time_s(gpu, tokens, m.hidden, m.experts, weight_bytes_per_param=dense_bpp,
-                               peak_flops_per_s=dense_peak)
+        experts_s = gemm_time_s(
+            gpu,
+            rows,
+            m.hidden,
+            up * ie / tp,
+            matrices=active,
+            weight_bytes_per_param=ffn_bpp,
+            peak_flops_per_s=ffn_peak,
+        ) + gemm_time_s(
+            gpu,
+            rows,
+            ie / tp,
+            m.hidden,
+            matrices=active,
+            weight_bytes_per_param=ffn_bpp,
+            peak_flops_per_s=ffn_peak,
+        )
+        router_s = gemm_time_s(
+            gpu, tokens, m.hidden, m.experts, weight_bytes_per_param=dense_bpp, peak_flops_per_s=dense_peak
+        )
         shared_s = dense_ffn_s(m.shared_experts * ie) if m.shared_experts else 0.0
         ffn_width_gpu = (m.active_experts + m.shared_experts) * ie / tp
-        moe_layer_s = common_s + experts_s + router_s + shared_s + elementwise_time_s(
-            gpu, tokens, elementwise_bytes_per_token(m.hidden, qk_heads_gpu, m.head_dim, ffn_width_gpu,
-                                                     m.gated_mlp))
+        moe_layer_s = (
+            common_s
+            + experts_s
+            + router_s
+            + shared_s
+            + elementwise_time_s(
+                gpu,
+                tokens,
+                elementwise_bytes_per_token(m.hidden, qk_heads_gpu, m.head_dim, ffn_width_gpu, m.gated_mlp),
+            )
+        )
         total += m.moe_layers * moe_layer_s
         return np.asarray(total)
 
     def _lm_head_time_s(self, logits_rows: np.ndarray) -> np.ndarray:
         m = self.model
-        return gemm_time_s(self.gpu, logits_rows, m.hidden, m.vocab / self.tp,
-                           weight_bytes_per_param=BYTES_PER_PARAM[m.dense_precision],
-                           peak_flops_per_s=self.gpu.peak_flops_per_s(m.dense_precision))
+        return gemm_time_s(
+            self.gpu,
+            logits_rows,
+            m.hidden,
+            m.vocab / self.tp,
+            weight_bytes_per_param=BYTES_PER_PARAM[m.dense_precision],
+            peak_flops_per_s=self.gpu.peak_flops_per_s(m.dense_precision),
+        )
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -349,8 +433,9 @@ class CostModel:
         """
         return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2.0
 
-    def iteration_time_s(self, prefill: Sequence[tuple[int, int]] = (), decode_batch: int = 0,
-                         decode_context_tokens: int = 0) -> float:
+    def iteration_time_s(
+        self, prefill: Sequence[tuple[int, int]] = (), decode_batch: int = 0, decode_context_tokens: int = 0
+    ) -> float:
         """One forward iteration mixing prefill chunks [(new_tokens, cached_prefix_tokens), ...] with a
         decode batch of ``decode_batch`` requests whose KV contexts sum to ``decode_context_tokens``.
         0.0 if nothing to do.
@@ -366,8 +451,9 @@ class CostModel:
             new_tokens += new
             pairs += new * cached + new * (new + 1) * 0.5
         if decode_batch < 0 or decode_context_tokens < 0:
-            raise ValueError(f"decode_batch={decode_batch} and decode_context_tokens="
-                             f"{decode_context_tokens} must be >= 0")
+            raise ValueError(
+                f"decode_batch={decode_batch} and decode_context_tokens={decode_context_tokens} must be >= 0"
+            )
         tokens = new_tokens + decode_batch
         if tokens == 0:
             return 0.0
@@ -375,20 +461,33 @@ class CostModel:
         if tokens <= TABLE_TOKENS:
             total_s = self._token_list[tokens] + self._lm_head_list[logits_rows]
         else:
-            total_s = float(self._token_time_s(np.array([float(tokens)]))[0]
-                            + self._lm_head_time_s(np.array([float(logits_rows)]))[0])
+            total_s = float(
+                self._token_time_s(np.array([float(tokens)]))[0]
+                + self._lm_head_time_s(np.array([float(logits_rows)]))[0]
+            )
         if new_tokens:
             window_pairs = new_tokens * self._sliding_window_tokens
-            total_s += (self._prefill_fixed_s + new_tokens * self._prefill_s_per_token
-                        + pairs * self._prefill_s_per_pair_full
-                        + min(pairs, window_pairs) * self._prefill_s_per_pair_sliding)
+            total_s += (
+                self._prefill_fixed_s
+                + new_tokens * self._prefill_s_per_token
+                + pairs * self._prefill_s_per_pair_full
+                + min(pairs, window_pairs) * self._prefill_s_per_pair_sliding
+            )
         if decode_batch:
-            total_s += (self._decode_fixed_s + decode_batch * self._decode_s_per_request
-                        + decode_context_tokens * self._decode_s_per_ctx_token)
+            total_s += (
+                self._decode_fixed_s
+                + decode_batch * self._decode_s_per_request
+                + decode_context_tokens * self._decode_s_per_ctx_token
+            )
         return total_s + self.iteration_overhead_s
 
-    def iteration_times_s(self, prefill_tokens: np.ndarray, prefill_attention_pairs: np.ndarray,
-                          decode_batch: np.ndarray, decode_context_tokens: np.ndarray) -> np.ndarray:
+    def iteration_times_s(
+        self,
+        prefill_tokens: np.ndarray,
+        prefill_attention_pairs: np.ndarray,
+        decode_batch: np.ndarray,
+        decode_context_tokens: np.ndarray,
+    ) -> np.ndarray:
         """Vectorised form for profilers/sweeps (prefill described by total new tokens and total
         attention query-key pairs). Element ``i`` equals ``iteration_time_s`` of a batch whose prefill
         chunks total ``prefill_tokens[i]`` new tokens and ``prefill_attention_pairs[i]`` pairs."""
@@ -403,18 +502,29 @@ class CostModel:
         logits_rows = batch + (new > 0)
         small = tokens <= TABLE_TOKENS
         total = np.empty(tokens.shape, dtype=np.float64)
-        total[small] = (self._token_table[tokens[small]]
-                        + self._lm_head_table[np.minimum(logits_rows[small], TABLE_TOKENS)])
+        total[small] = (
+            self._token_table[tokens[small]]
+            + self._lm_head_table[np.minimum(logits_rows[small], TABLE_TOKENS)]
+        )
         if not small.all():
             big = ~small
-            total[big] = (self._token_time_s(tokens[big].astype(np.float64))
-                          + self._lm_head_time_s(logits_rows[big].astype(np.float64)))
+            total[big] = self._token_time_s(tokens[big].astype(np.float64)) + self._lm_head_time_s(
+                logits_rows[big].astype(np.float64)
+            )
         window_pairs = new * self._sliding_window_tokens
-        total += np.where(new > 0, self._prefill_fixed_s + new * self._prefill_s_per_token
-                          + pairs * self._prefill_s_per_pair_full
-                          + np.minimum(pairs, window_pairs) * self._prefill_s_per_pair_sliding, 0.0)
-        total += np.where(batch > 0, self._decode_fixed_s + batch * self._decode_s_per_request
-                          + ctx * self._decode_s_per_ctx_token, 0.0)
+        total += np.where(
+            new > 0,
+            self._prefill_fixed_s
+            + new * self._prefill_s_per_token
+            + pairs * self._prefill_s_per_pair_full
+            + np.minimum(pairs, window_pairs) * self._prefill_s_per_pair_sliding,
+            0.0,
+        )
+        total += np.where(
+            batch > 0,
+            self._decode_fixed_s + batch * self._decode_s_per_request + ctx * self._decode_s_per_ctx_token,
+            0.0,
+        )
         return np.where(tokens > 0, total + self.iteration_overhead_s, 0.0)
 
     def decode_step_time_s(self, batch: int, context_tokens: int) -> float:
@@ -433,8 +543,12 @@ class CostModel:
             done += chunk
         return total_s
 
-    def kv_transfer_time_s(self, tokens: int, bandwidth_bytes_per_s: float | None = None,
-                           latency_s: float = DEFAULT_KV_TRANSFER_LATENCY_S) -> float:
+    def kv_transfer_time_s(
+        self,
+        tokens: int,
+        bandwidth_bytes_per_s: float | None = None,
+        latency_s: float = DEFAULT_KV_TRANSFER_LATENCY_S,
+    ) -> float:
         """Prefill->decode KV transfer of ``tokens`` tokens' cache: ``latency + bytes / bandwidth``.
 
         Default bandwidth: ``DEFAULT_KV_TRANSFER_BYTES_PER_S`` (inter-node RDMA, ~50 GB/s per worker).
@@ -444,12 +558,15 @@ class CostModel:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         if tokens == 0:
             return 0.0
-        bandwidth = (DEFAULT_KV_TRANSFER_BYTES_PER_S if bandwidth_bytes_per_s is None
-                     else bandwidth_bytes_per_s)
+        bandwidth = (
+            DEFAULT_KV_TRANSFER_BYTES_PER_S if bandwidth_bytes_per_s is None else bandwidth_bytes_per_s
+        )
         if bandwidth <= 0:
             raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth}")
         return latency_s + tokens * self.kv_transfer_bytes_per_token / bandwidth
 
     def __repr__(self) -> str:
-        return (f"CostModel({self.gpu.name}, {self.model.name}, tp={self.tp}, "
-                f"kv_capacity_tokens={self.kv_capacity_tokens})")
+        return (
+            f"CostModel({self.gpu.name}, {self.model.name}, tp={self.tp}, "
+            f"kv_capacity_tokens={self.kv_capacity_tokens})"
+        )

@@ -109,11 +109,15 @@ class SimResult:
 def _offered_timeline(sim: Simulator, df: pd.DataFrame) -> pd.DataFrame:
     """Per-minute offered traffic: uncached input (with an unbounded cache) and output tokens."""
     if df.empty:
-        return pd.DataFrame(columns=["minute", "uncached_input_tokens", "output_tokens", "uncached_to_output"])
+        return pd.DataFrame(
+            columns=["minute", "uncached_input_tokens", "output_tokens", "uncached_to_output"]
+        )
     shared = np.array([r.shared_prefix_tokens for r in sim.trace.requests], dtype=np.int64)
     uncached = np.maximum(df["input_tokens"].to_numpy() - shared[df["request_id"].to_numpy()], 0)
     minute = np.floor(df["arrival_s"].to_numpy() / 60.0).astype(np.int64)
-    g = pd.DataFrame({"minute": minute, "uncached_input_tokens": uncached, "output_tokens": df["output_tokens"]})
+    g = pd.DataFrame(
+        {"minute": minute, "uncached_input_tokens": uncached, "output_tokens": df["output_tokens"]}
+    )
     out = g.groupby("minute", as_index=False).sum()
     out["uncached_to_output"] = out["uncached_input_tokens"] / out["output_tokens"].clip(lower=1)
     if sim.node_timeline:

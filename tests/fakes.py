@@ -58,8 +58,14 @@ def open_trace(rows: Sequence[tuple[float, int, int]], name: str = "tiny") -> Tr
     return Trace(name=name, requests=reqs)
 
 
-def session_trace(n_sessions: int, turns: int, first_input: int = 2048, grow: int = 1024, output: int = 64,
-                  think_s: float = 1.0) -> Trace:
+def session_trace(
+    n_sessions: int,
+    turns: int,
+    first_input: int = 2048,
+    grow: int = 1024,
+    output: int = 64,
+    think_s: float = 1.0,
+) -> Trace:
     """Closed-loop agent-like sessions: each turn extends the previous turn's input by ``grow``."""
     reqs: list[Request] = []
     for s in range(n_sessions):
