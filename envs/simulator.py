@@ -87,6 +87,7 @@ class _Req:
         "path",
         "prefill_worker",
         "pull",
+        "queued_estimate",
         "reservation",
         "reserve_left",
         "retractions",
@@ -116,6 +117,7 @@ class _Req:
         self.decode_worker = -1
         self.reservation = -1
         self.pull = 0
+        self.queued_estimate = 0
         self.depends_released = False
 
 
@@ -431,6 +433,7 @@ class Simulator:
         if req.decode_worker < 0 or req.path == FALLBACK:
             req.decode_worker = self._pick_decode().idx
         pw.queue.append(req)
+        req.queued_estimate = uncached_estimate
         pw.queued_tokens += uncached_estimate
         if not pw.busy:
             self._start_prefill_iteration(pw)
@@ -458,6 +461,8 @@ class Simulator:
                 req.started = True
                 req.cached = min(pw.cache.match_tokens(req.rid, touch=True), req.input - 1)
                 req.done = req.cached
+                # the cache may have changed since routing: queue load counts what is really left
+                pw.queued_tokens += (req.input - req.cached) - req.queued_estimate
             take = min(req.input - req.done, budget)
             batch.append((req, take))
             chunks.append((take, req.done))
@@ -481,8 +486,6 @@ class Simulator:
                 pw.queue.remove(req)
                 pw.cache.insert(req.rid)
                 self._push(self.now_s + self._transfer_time_s(req.input), _EV_TRANSFER, req.rid, 0)
-        if not pw.queue:
-            pw.queued_tokens = 0
         pw.batch = []
         self._start_prefill_iteration(pw)
 

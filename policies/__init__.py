@@ -21,6 +21,7 @@ from policies.node_policies import (
     register_node_policy,
 )
 from policies.node_state import NodeState
+from policies.rl_policy import RLPolicy  # registers the ``rl`` node policy
 from policies.scheduler import ClusterScheduler, CostEstimator, PathDecision, PathQuery
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "NodeState",
     "PathDecision",
     "PathQuery",
+    "RLPolicy",
     "Reservation",
     "ReservationStatus",
     "SafePrefillPredictor",

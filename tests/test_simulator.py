@@ -206,3 +206,17 @@ def test_session_rate_curve_shapes_session_starts() -> None:
     )
     starts = res.requests["arrival_s"] - 1.0  # think time of a first turn is 1 s
     assert (starts >= 3600.0).all() and (starts < 7200.0).all()
+
+
+def test_prefill_queue_load_stays_exact() -> None:
+    """A prefill worker's queued-token count equals what its queue really has left, at every step."""
+    trace = session_trace(n_sessions=12, turns=6, first_input=6000, grow=3000)
+    cfg = ClusterConfig(n_prefill=2, n_decode=2, page_tokens=256, prefill_cache_fraction=0.002)
+    sim = Simulator(trace, cfg, session_rate_per_s=0.5, seed=2)
+    t = 0.0
+    while sim.step_until(t):
+        for pw in sim.prefill:
+            left = sum((r.input - r.done) if r.started else r.queued_estimate for r in pw.queue)
+            assert pw.queued_tokens == left >= 0
+        t += 0.37
+    assert sim.done
