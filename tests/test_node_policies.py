@@ -156,12 +156,12 @@ def test_heuristic_validates_configuration() -> None:
 
 
 def test_registry_builds_by_name_and_accepts_plugins() -> None:
-    assert {"static", "utilisation", "heuristic"} <= set(node_policy_names())
+    assert {"static", "utilisation", "heuristic", "rl"} <= set(node_policy_names())
     heuristic = make_node_policy("heuristic", predictor=FakePredictor(), ttl_s=0.25)
     assert isinstance(heuristic, HeuristicPolicy) and heuristic.ttl_s == 0.25
     assert isinstance(make_node_policy("static"), StaticPolicy)
-    with pytest.raises(KeyError, match="unknown node policy 'rl'"):
-        make_node_policy("rl")
+    with pytest.raises(KeyError, match="unknown node policy 'no_such_policy'"):
+        make_node_policy("no_such_policy")
 
     registry = NodePolicyRegistry()  # private: registrations must not leak into other tests
     registry.register("always_one", lambda ttl_s=1.0: UtilisationPolicy(threshold=99.0, ttl_s=ttl_s))
