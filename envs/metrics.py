@@ -50,6 +50,8 @@ class RunMetrics:
 
     n_requests: int
     n_finished: int
+    n_rejected: int
+    """Refused at arrival (e.g. larger than a worker's KV cache); they count as SLO misses."""
     duration_s: float
     input_tokens_per_s: float
     output_tokens_per_s: float
@@ -94,6 +96,8 @@ class SimResult:
     itl_values_s: np.ndarray = field(repr=False)
     itl_weights: np.ndarray = field(repr=False)
     decisions: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    """The scheduler's records, newest last: path decisions, lease transitions and task arrivals,
+    each a dict whose ``kind`` says which and whose ``reason`` says why."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
@@ -155,6 +159,7 @@ def build_result(sim: Simulator) -> SimResult:
             "prefill_worker": [r.prefill_worker for r in reqs],
             "decode_worker": [r.decode_worker for r in reqs],
             "retractions": [r.retractions for r in reqs],
+            "error": [r.error for r in reqs],
         }
     )
     done = df[df["finish_s"].notna()]
@@ -171,6 +176,7 @@ def build_result(sim: Simulator) -> SimResult:
         0.0,
     )
     slo_ok = (ttft <= cfg.slo_ttft_s) & (per_req_itl <= cfg.slo_itl_s)
+    n_rejected = int((df["error"] != "").sum())
     paths = np.array([r.path for r in reqs])
     borrowed_tokens = sum(w.borrowed_tokens_total for w in sim.decode)
     lease_offered = sum(rate * cfg.control_interval_s for _, _, rate, _, _ in sim.node_timeline)
@@ -181,6 +187,7 @@ def build_result(sim: Simulator) -> SimResult:
     metrics = RunMetrics(
         n_requests=len(sim.reqs),
         n_finished=len(done),
+        n_rejected=n_rejected,
         duration_s=duration,
         input_tokens_per_s=float(done["input_tokens"].sum()) / duration,
         output_tokens_per_s=float(done["output_tokens"].sum()) / duration,
@@ -193,7 +200,9 @@ def build_result(sim: Simulator) -> SimResult:
         e2e_mean_s=float(e2e.mean()) if len(e2e) else math.nan,
         e2e_p50_s=float(q(e2e, 0.5)) if len(e2e) else math.nan,
         e2e_p99_s=float(q(e2e, 0.99)) if len(e2e) else math.nan,
-        slo_attainment=float(slo_ok.mean()) if len(slo_ok) else math.nan,
+        slo_attainment=float(slo_ok.sum() / (len(slo_ok) + n_rejected))
+        if len(slo_ok) + n_rejected
+        else math.nan,
         prefix_hit_share=float(df["cached_tokens"].sum() / max(1, df["input_tokens"].sum())),
         borrowed_share=float((paths == BORROWED).mean()) if len(paths) else 0.0,
         fallback_share=float((paths == FALLBACK).mean()) if len(paths) else 0.0,
@@ -207,7 +216,7 @@ def build_result(sim: Simulator) -> SimResult:
         [{"role": "prefill", "index": i, "busy_fraction": b} for i, b in enumerate(busy_p)]
         + [{"role": "decode", "index": i, "busy_fraction": b} for i, b in enumerate(busy_d)]
     )
-    decisions = list(getattr(sim.scheduler, "decisions", []) or [])
+    decisions = list(getattr(sim.scheduler, "records", None) or [])
     return SimResult(
         config=cfg,
         trace_name=sim.trace.name,

@@ -76,6 +76,7 @@ class _Req:
         "decode_worker",
         "depends_released",
         "done",
+        "error",
         "finish_s",
         "first_token_s",
         "generated",
@@ -118,6 +119,7 @@ class _Req:
         self.reservation = -1
         self.pull = 0
         self.queued_estimate = 0
+        self.error = ""
         self.depends_released = False
 
 
@@ -138,6 +140,8 @@ class Counters:
     fallbacks: int = 0
     """Borrowed requests sent back to the normal path before their first token."""
     finished: int = 0
+    rejected: int = 0
+    """Requests refused at arrival (they could never fit a worker's KV cache)."""
 
 
 @dataclass
@@ -173,7 +177,10 @@ class _DecodeWorker:
     iter_prefill: list[tuple[_Req, int]] = field(default_factory=list)
     # per control interval accounting
     step_time_sum_s: float = 0.0
+    decode_only_sum_s: float = 0.0
+    """What the same iterations would have taken without prefill mixed in."""
     step_count: int = 0
+    iter_decode_only_s: float = 0.0
     borrowed_tokens_total: int = 0
     lease_prefill_tokens_per_s: float = 0.0
 
@@ -324,6 +331,13 @@ class Simulator:
     def _on_arrival(self, rid: int) -> None:
         req = self.reqs[rid]
         req.arrival_s = self.now_s
+        if req.input + req.output > self.cm.kv_capacity_tokens:
+            self._reject(
+                req,
+                f"input + output = {req.input + req.output} tokens exceed a worker's KV capacity "
+                f"({self.cm.kv_capacity_tokens} tokens)",
+            )
+            return
         if self.scheduler is not None:
             if not self._tick_pending:  # control ticks resume on the interval grid
                 interval = self.config.control_interval_s
@@ -642,6 +656,7 @@ class Simulator:
         w.generation += 1
         w.iter_start_s = self.now_s
         w.iter_t0_s, w.iter_dt_s, w.iter_k = t0, dt, k
+        w.iter_decode_only_s = decode_step
         w.iter_prefill = prefill
         self._push(self.now_s + k * t0 + dt * k * (k - 1) / 2, _EV_DECODE, w.idx, w.generation)
 
@@ -653,6 +668,7 @@ class Simulator:
         elapsed = k * t0 + dt * k * (k - 1) / 2
         w.busy_s += elapsed
         w.step_time_sum_s += elapsed
+        w.decode_only_sum_s += elapsed if not w.iter_prefill else k * w.iter_decode_only_s
         w.step_count += k
         recomputed = {id(r) for r, _ in w.iter_prefill if r.needs_recompute}
         decoding = [r for r in w.running if id(r) not in recomputed]
@@ -713,6 +729,18 @@ class Simulator:
             req.reserve_left = 0
             w.waiting.appendleft(req)
 
+    def _reject(self, req: _Req, reason: str) -> None:
+        """Refuse a request with a reason (as the server would); its session carries on."""
+        req.error = reason
+        self.finished += 1
+        self.counters.rejected += 1
+        self._release_children(req)
+
+    def _release_children(self, req: _Req) -> None:
+        for child in self._children.get(req.rid, ()):
+            think = max(0.0, self.trace.requests[child].think_time_s)
+            self._push(self.now_s + think, _EV_RELEASE, child, 0)
+
     def _finish(self, w: _DecodeWorker, req: _Req) -> None:
         req.finish_s = self.now_s
         if req in w.running:  # a borrowed one-token request finishes straight from its prefill
@@ -728,9 +756,7 @@ class Simulator:
             self.scheduler.on_request_finished(req.reservation)
         self.finished += 1
         self.counters.finished += 1
-        for child in self._children.get(req.rid, ()):
-            think = max(0.0, self.trace.requests[child].think_time_s)
-            self._push(self.now_s + think, _EV_RELEASE, child, 0)
+        self._release_children(req)
 
     # ---------------------------------------------------------------- control interval
     def _node_state(self, w: _DecodeWorker) -> NodeState:
@@ -747,6 +773,7 @@ class Simulator:
             ctx_mean = ctx_std = rem = 0.0
         decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n)) if n else 0.0
         recent = w.step_time_sum_s / w.step_count if w.step_count else 0.0
+        recent_decode_only = w.decode_only_sum_s / w.step_count if w.step_count else 0.0
         return NodeState(
             node_id=w.idx,
             time_s=self.now_s,
@@ -762,6 +789,7 @@ class Simulator:
             borrowed_prefill_tokens_queued=sum(r.input - r.done for r in w.borrowed),
             recent_step_time_s=recent,
             decode_only_step_time_s=decode_only,
+            recent_decode_only_step_time_s=recent_decode_only,
             max_running_requests=self.config.max_running_requests,
         )
 
@@ -785,6 +813,7 @@ class Simulator:
                 (self.now_s, w.idx, w.lease_prefill_tokens_per_s, w.borrowed_tokens_total, len(w.running))
             )
             w.step_time_sum_s = 0.0
+            w.decode_only_sum_s = 0.0
             w.step_count = 0
             if w.borrowed and not w.busy:
                 self._start_decode_iteration(w)

@@ -230,10 +230,16 @@ def default_predictor(gpu: str = "H200", model: str = "gpt-oss-120b", tp: int = 
 
 
 def log_artifact_to_wandb(
-    path: str | os.PathLike[str], *, project: str = "crossflow", name: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    project: str = "crossflow",
+    name: str | None = None,
+    wandb_dir: str | os.PathLike[str] | None = None,
 ) -> bool:
     """Log an artifact folder to W&B (offline unless ``WANDB_MODE`` says otherwise); never needs a login.
 
+    ``wandb_dir`` is where the run's files go (default: ``WANDB_DIR`` or the current folder); it is
+    passed to ``wandb.init`` because W&B otherwise keeps the first directory a process used.
     Returns False (with a message on stderr) when wandb is not importable or logging fails.
     """
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -247,7 +253,13 @@ def log_artifact_to_wandb(
     meta = read_metadata(folder)
     art_name = name or f"interference-{artifact_slug(meta['hardware'], meta['model'], meta['tp'])}"
     try:
-        run = wandb.init(project=project, job_type="fit-interference", config={"artifact": meta}, reinit=True)
+        run = wandb.init(
+            project=project,
+            job_type="fit-interference",
+            config={"artifact": meta},
+            dir=str(wandb_dir or os.environ.get("WANDB_DIR") or Path.cwd()),
+            reinit=True,
+        )
         artifact = wandb.Artifact(art_name, type="interference-model", metadata=meta)
         artifact.add_dir(str(folder))
         run.log_artifact(artifact)

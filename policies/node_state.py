@@ -39,6 +39,10 @@ class NodeState:
     decode_only_step_time_s: float
     """Iteration time the current decode batch would take with no prefill mixed in."""
     max_running_requests: int
+    recent_decode_only_step_time_s: float = 0.0
+    """What the iterations of the last control interval would have taken on average without prefill
+    mixed in (0 when unknown). ``recent_step_time_s / recent_decode_only_step_time_s`` is the node's
+    ITL inflation from borrowed work, free of batch-size changes."""
 
     @property
     def kv_occupancy(self) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from policies.lease import LeaseBudgets
@@ -110,6 +110,11 @@ class ClusterScheduler:
         congestion_wait_s: the prefill pool counts as congested when the normal path's queue wait
             exceeds this; below it every request takes the normal path.
         borrow_margin: borrow only if ``est_borrow_s <= est_normal_s * (1 - borrow_margin)``.
+        itl_guard: cap on the decode pool's ITL inflation, the token-weighted mean step time over the
+            decode-only step time, ``sum(batch x recent step) / sum(batch x decode-only step)``
+            (smoothed over intervals). While above it every new lease's prefill budget is halved each
+            interval; below it the scale recovers by 0.1 per interval. Per-node policies bound each
+            node's mixed step; this bounds what the users of the whole pool see. ``None``: off.
         max_records: decision/event records kept (oldest dropped first).
     """
 
@@ -122,12 +127,15 @@ class ClusterScheduler:
         control_interval_s: float = 0.5,
         congestion_wait_s: float = 0.2,
         borrow_margin: float = 0.1,
+        itl_guard: float | None = 1.10,
         max_records: int = 10_000,
     ) -> None:
         if not control_interval_s > 0:
             raise ValueError(f"control_interval_s must be > 0, got {control_interval_s!r}")
         if congestion_wait_s < 0 or not 0 <= borrow_margin < 1:
             raise ValueError("congestion_wait_s must be >= 0 and borrow_margin in [0, 1)")
+        if itl_guard is not None and not itl_guard >= 1.0:
+            raise ValueError(f"itl_guard must be >= 1 (a ratio of step times) or None, got {itl_guard!r}")
         policies = policy.values() if isinstance(policy, Mapping) else [policy]
         for p in policies:
             if p.ttl_s < control_interval_s:
@@ -141,6 +149,11 @@ class ClusterScheduler:
         self.control_interval_s = control_interval_s
         self.congestion_wait_s = congestion_wait_s
         self.borrow_margin = borrow_margin
+        self.itl_guard = itl_guard
+        self.lend_scale = 1.0
+        """Share of each policy's prefill headroom currently lent (the ITL guard's control variable)."""
+        self.itl_inflation = 1.0
+        """Smoothed ITL inflation of the decode pool (see ``itl_guard``)."""
         self.records: deque[dict[str, Any]] = deque(maxlen=max_records)
         """Decision and lease events as plain dicts (``kind`` says which), for debugging and reports."""
         self._lock = threading.RLock()
@@ -168,9 +181,14 @@ class ClusterScheduler:
         """
         with self._lock:
             revoked = self.ledger.expire(now_s)
+            self._update_itl_guard(states)
             for state in sorted(states, key=lambda s: s.node_id):
                 policy = self.policy_for(state.node_id)
                 headroom = policy.propose(state)
+                if self.lend_scale < 1.0 and not headroom.is_zero():
+                    headroom = replace(
+                        headroom, prefill_tokens=int(headroom.prefill_tokens * self.lend_scale)
+                    )
                 pressure = self._decode_pressure(policy, state, headroom)
                 if pressure is not None:
                     node_revoked = self.ledger.revoke(state.node_id, now_s)
@@ -213,6 +231,24 @@ class ClusterScheduler:
         if proposal is None:
             proposal = policy.propose(state)
         return "policy proposes no lease" if proposal.is_zero() else None
+
+    def _update_itl_guard(self, states: Sequence[NodeState]) -> None:
+        if self.itl_guard is None:
+            return
+        mixed = decode_only = 0.0
+        for s in states:
+            # the same iterations without prefill when the node reports it, else the current batch's step
+            baseline = s.recent_decode_only_step_time_s or s.decode_only_step_time_s
+            if s.decode_batch_size and s.recent_step_time_s > 0 and baseline > 0:
+                mixed += s.decode_batch_size * s.recent_step_time_s
+                decode_only += s.decode_batch_size * baseline
+        if decode_only <= 0:
+            return
+        self.itl_inflation = 0.7 * self.itl_inflation + 0.3 * (mixed / decode_only)
+        if self.itl_inflation > self.itl_guard:
+            self.lend_scale *= 0.5
+        else:
+            self.lend_scale = min(1.0, self.lend_scale + 0.1)
 
     # ---- path choice --------------------------------------------------------------------------------
     def estimate_normal_s(self, q: PathQuery) -> float:

@@ -45,8 +45,10 @@ def oss() -> CostModel:
 
 # --- golden ------------------------------------------------------------------------------------
 
+
 def test_golden_every_operator_within_stated_tolerance(
-        accuracy: dict[tuple[str, str], tuple[float, float, int]]) -> None:
+    accuracy: dict[tuple[str, str], tuple[float, float, int]],
+) -> None:
     ops_seen = {op for _, op in accuracy}
     assert ops_seen == set(TOLERANCE_PCT), ops_seen
     for (gpu, op), (median_pct, p90_pct, points) in accuracy.items():
@@ -73,6 +75,7 @@ def test_catalog_knobs_are_the_fit_of_the_shipped_points() -> None:
 
 
 # --- hand-checked sanity -------------------------------------------------------------------------
+
 
 def test_prefill_attention_pairs_by_hand() -> None:
     # 3 new tokens after 2 cached: each attends 2 cached + itself and earlier new ones: 3, 4, 5.
@@ -162,11 +165,14 @@ def test_vectorised_equals_scalar() -> None:
         batch[5:10] = 0
         new[[7, 8]] = [TABLE_TOKENS + 100, TABLE_TOKENS]  # both sides of the table edge
         ctx = batch * rng.integers(128, 20000, 60)
-        pairs = np.array([c.prefill_attention_pairs(int(n), int(k))
-                          for n, k in zip(new, cached, strict=True)])
+        pairs = np.array(
+            [c.prefill_attention_pairs(int(n), int(k)) for n, k in zip(new, cached, strict=True)]
+        )
         vec = c.iteration_times_s(new, pairs, batch, ctx)
-        scalar = [c.iteration_time_s(((int(n), int(k)),) if n else (), int(b), int(x))
-                  for n, k, b, x in zip(new, cached, batch, ctx, strict=True)]
+        scalar = [
+            c.iteration_time_s(((int(n), int(k)),) if n else (), int(b), int(x))
+            for n, k, b, x in zip(new, cached, batch, ctx, strict=True)
+        ]
         np.testing.assert_allclose(vec, scalar, rtol=1e-12)
         assert vec[0] == 0.0 or batch[0] > 0
 
@@ -211,6 +217,7 @@ def test_mixed_iteration_costs_less_than_running_both_alone(oss: CostModel) -> N
 
 # --- catalog -------------------------------------------------------------------------------------
 
+
 def test_lookup_is_case_insensitive_with_aliases() -> None:
     assert get_gpu("h200") is GPUS["H200"]
     assert get_gpu("H100-SXM").name == "H100"
@@ -242,29 +249,71 @@ def test_extrapolated_gpus_are_marked_unmeasured() -> None:
 
 # --- extraction from an upstream-shaped tree (tiny synthetic fixture) ------------------------------
 
+
 def _write_fake_vidur(root: Path) -> None:
-    ops = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
-           "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+    ops = (
+        "emb",
+        "input_layernorm",
+        "attn_pre_proj",
+        "attn_rope",
+        "attn_post_proj",
+        "post_attention_layernorm",
+        "mlp_up_proj",
+        "mlp_act",
+        "mlp_down_proj",
+        "add",
+    )
     mlp = pd.DataFrame({f"time_stats.{op}.median": [0.1, 0.2] for op in ops})
-    mlp = mlp.assign(n_head=32, n_kv_head=8, n_embd=4096, n_expanded_embd=14336, vocab_size=128256,
-                     use_gated_mlp=True, num_tokens=[16, 17], num_tensor_parallel_workers=2)
+    mlp = mlp.assign(
+        n_head=32,
+        n_kv_head=8,
+        n_embd=4096,
+        n_expanded_embd=14336,
+        vocab_size=128256,
+        use_gated_mlp=True,
+        num_tokens=[16, 17],
+        num_tensor_parallel_workers=2,
+    )
     for gpu in ("h100", "a100"):
         folder = root / "data/profiling/compute" / gpu / "org/Toy-8B"
         folder.mkdir(parents=True)
         mlp.to_csv(folder / "mlp.csv", index=False)
         net = root / f"data/profiling/network/{gpu}_dgx"
         net.mkdir(parents=True)
-        pd.DataFrame({"time_stats.all_reduce.median": [0.02, 0.03], "rank": 0, "num_workers": 2,
-                      "size": [2048, 4096], "devices_per_node": 2}).to_csv(net / "all_reduce.csv")
+        pd.DataFrame(
+            {
+                "time_stats.all_reduce.median": [0.02, 0.03],
+                "rank": 0,
+                "num_workers": 2,
+                "size": [2048, 4096],
+                "devices_per_node": 2,
+            }
+        ).to_csv(net / "all_reduce.csv")
     hist = root / "history/e2d00e9/data/profiling/a100"
     hist.mkdir(parents=True)
-    pd.DataFrame({"n_embd": 8192, "n_q_head": 64, "n_kv_head": 8, "num_tensor_parallel_workers": 2,
-                  "batch_size": [1, 4], "prefill_chunk_size": [64, 0], "kv_cache_size": [0, 100],
-                  "is_prefill": [True, False], "time_stats.attn_prefill.median": [0.01, np.nan],
-                  "time_stats.attn_decode.median": [np.nan, 0.02]}).to_csv(hist / "attention.csv")
-    pd.DataFrame({"schedule_median": [0.1], "sampler_e2e_median": [0.2],
-                  "prepare_inputs_e2e_median": [0.3], "process_model_outputs_median": [0.4],
-                  "batch_size": [8]}).to_csv(hist / "cpu_overheads.csv")
+    pd.DataFrame(
+        {
+            "n_embd": 8192,
+            "n_q_head": 64,
+            "n_kv_head": 8,
+            "num_tensor_parallel_workers": 2,
+            "batch_size": [1, 4],
+            "prefill_chunk_size": [64, 0],
+            "kv_cache_size": [0, 100],
+            "is_prefill": [True, False],
+            "time_stats.attn_prefill.median": [0.01, np.nan],
+            "time_stats.attn_decode.median": [np.nan, 0.02],
+        }
+    ).to_csv(hist / "attention.csv")
+    pd.DataFrame(
+        {
+            "schedule_median": [0.1],
+            "sampler_e2e_median": [0.2],
+            "prepare_inputs_e2e_median": [0.3],
+            "process_model_outputs_median": [0.4],
+            "batch_size": [8],
+        }
+    ).to_csv(hist / "cpu_overheads.csv")
 
 
 def test_extract_points_from_upstream_layout(tmp_path: Path) -> None:

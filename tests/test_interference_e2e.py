@@ -152,7 +152,7 @@ def test_wandb_logging_is_offline_and_optional(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_MODE", "offline")
     folder = DATA_DIR / "h200_gpt-oss-120b_tp1"
-    assert log_artifact_to_wandb(folder) is True
+    assert log_artifact_to_wandb(folder, wandb_dir=tmp_path) is True
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if not installed
     assert log_artifact_to_wandb(folder) is False

@@ -220,3 +220,14 @@ def test_prefill_queue_load_stays_exact() -> None:
             assert pw.queued_tokens == left >= 0
         t += 0.37
     assert sim.done
+
+
+def test_request_larger_than_kv_is_rejected_with_a_reason_and_its_session_goes_on() -> None:
+    trace = session_trace(n_sessions=1, turns=3, first_input=1000, grow=5000, output=10)
+    cm = LinearCostModel(kv_capacity_tokens=8000)  # turn 1 needs 6000+17, turn 2 11000+24 tokens
+    res = simulate(trace, _cfg(), cost_model=cm, session_rate_per_s=1.0)  # type: ignore[arg-type]
+    df = res.requests.set_index("request_id")
+    assert df.loc[2, "error"].startswith("input + output = 11024 tokens exceed a worker's KV capacity (8000")
+    assert df.loc[[0, 1], "error"].eq("").all() and df.loc[[0, 1], "finish_s"].notna().all()
+    assert res.metrics.n_rejected == 1 and res.metrics.n_finished == 2
+    assert res.metrics.slo_attainment <= 2 / 3

@@ -22,7 +22,7 @@ from envs.traces import load_trace
 DEFAULT_TP: dict[str, int] = {"gpt-oss-120b": 1, "glm-5": 8, "glm-4.5-air": 2, "llama-3.1-70b": 4}
 """Tensor-parallel degree per worker when the user gives none (the smallest that fits with room for KV)."""
 
-DEFAULT_SESSION_RATE_PER_S: dict[str, float] = {"agent": 0.05}
+DEFAULT_SESSION_RATE_PER_S: dict[str, float] = {"agent": 0.004}
 """Closed-loop traces: sessions started per second at load factor 1."""
 
 MAX_THINK_S = 300.0
@@ -122,7 +122,7 @@ def session_rate(point: Point, trace: Trace) -> float | None:
         return None
     if point.session_rate_per_s is not None:
         return point.session_rate_per_s
-    return DEFAULT_SESSION_RATE_PER_S.get(point.trace, 0.05)
+    return DEFAULT_SESSION_RATE_PER_S.get(point.trace, 0.004)
 
 
 def rate_curve(point: Point) -> tuple[Any, Any] | None:
@@ -156,12 +156,24 @@ def build_scheduler(policy: str, config: ClusterConfig, cost_model: CostModel, *
     )
 
 
-def run_point(point: Point, *, progress: bool = False, trace: Trace | None = None) -> SimResult:
-    """Simulate one point (deterministic in ``point``)."""
+def run_point(
+    point: Point,
+    *,
+    progress: bool = False,
+    trace: Trace | None = None,
+    predictor: Any = None,
+    max_time_s: float = math.inf,
+) -> SimResult:
+    """Simulate one point (deterministic in ``point``).
+
+    ``trace`` skips re-loading a prepared trace; ``predictor`` replaces the shipped interference model
+    for the policies that need one; ``max_time_s`` caps simulated time (unfinished requests stay so).
+    """
     trace = trace if trace is not None else prepare_trace(point)
     config = point.cluster()
     cost_model = CostModel(config.gpu, config.model, config.tp)
-    scheduler = build_scheduler(point.policy, config, cost_model)
+    kwargs = {"predictor": predictor} if predictor is not None and point.policy in ("heuristic", "rl") else {}
+    scheduler = build_scheduler(point.policy, config, cost_model, **kwargs)
     return simulate(
         trace,
         config,
@@ -171,6 +183,7 @@ def run_point(point: Point, *, progress: bool = False, trace: Trace | None = Non
         session_rate_per_s=session_rate(point, trace),
         seed=point.seed,
         progress=progress,
+        max_time_s=max_time_s,
         session_rate_curve=rate_curve(point) if trace.closed_loop else None,
     )
 
