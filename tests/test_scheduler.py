@@ -266,3 +266,28 @@ def test_policy_without_pressure_hook_zero_proposal_revokes() -> None:
     busy = calm(0, recent_step_time_s=0.04)  # utilisation 0.8 >= 0.5: the policy stops lending
     assert sched.on_task_arrival(d.reservation_id, busy, 0.1) == "pause"
     assert sched.on_control_interval(0.5, [busy]) == [d.reservation_id]
+
+
+def test_itl_guard_shrinks_leases_while_the_pool_is_slowed_and_recovers() -> None:
+    sched = make_scheduler(safe_tokens_per_s=20_000.0, itl_guard=1.10)
+    # node 0: batch 30 at 2x its decode-only step; node 1: batch 10 unaffected -> inflation 1.75
+    slowed = [
+        calm(0, decode_batch_size=30, recent_step_time_s=0.04, recent_decode_only_step_time_s=0.02),
+        calm(1, decode_batch_size=10, recent_step_time_s=0.02, recent_decode_only_step_time_s=0.02),
+    ]
+    sched.on_control_interval(0.0, slowed)
+    assert sched.itl_inflation == pytest.approx(0.7 + 0.3 * 1.75)
+    assert sched.lend_scale == 0.5
+    assert sched.ledger.lease(1).budgets.prefill_tokens == 10_000  # half of 20k tokens/s x 1 s
+    sched.on_control_interval(0.5, slowed)
+    assert sched.lend_scale == 0.25
+    calm_states = [calm(0, recent_decode_only_step_time_s=0.02), calm(1, recent_decode_only_step_time_s=0.02)]
+    for i in range(8):  # inflation decays under the guard, then the scale climbs back 0.1 a step
+        sched.on_control_interval(1.0 + 0.5 * i, calm_states)
+    assert sched.itl_inflation < 1.10
+    assert 0.25 < sched.lend_scale <= 1.0
+    off = make_scheduler(itl_guard=None)
+    off.on_control_interval(0.0, slowed)
+    assert off.lend_scale == 1.0 and off.ledger.lease(1).budgets.prefill_tokens == 20_000
+    with pytest.raises(ValueError, match="itl_guard"):
+        make_scheduler(itl_guard=0.9)
