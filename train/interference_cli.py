@@ -64,7 +64,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="measure interference profiles (simulated) and write them as Parquet",
         description="Sweep decode-node states x injected prefill chunks and write the profile schema "
         "(interference_model.schema). --source sim times them on the cost model with realistic noise; "
-        "the real-GPU profiler lives in serving/ and is not yet validated on hardware.",
+        "a real-GPU profiler (serving side) is not implemented yet.",
     )
     p.add_argument("--source", choices=["sim"], default="sim", help="where timings come from (default: sim)")
     p.add_argument("--gpu", default="H200", help="GPU (default: H200)")
