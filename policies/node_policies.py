@@ -195,26 +195,59 @@ class HeuristicPolicy:
                 kv_occupancy=state.kv_occupancy,
             )
         )
-        if not math.isfinite(safe_tokens_per_s) or safe_tokens_per_s <= 0:
-            return LeaseBudgets.zero()
-        prefill = int(self.margin * safe_tokens_per_s * self.ttl_s) - state.borrowed_prefill_tokens_queued
-        free_slots = state.max_running_requests - state.decode_batch_size - state.queued_decode_requests
-        tasks = min(self.max_tasks - state.borrowed_tasks, free_slots - state.borrowed_tasks)
-        if prefill <= 0 or tasks <= 0:
-            return LeaseBudgets.zero()
-        output_need = state.decode_batch_size * state.remaining_output_tokens_mean
-        uncovered_output = max(0, math.ceil(output_need) - state.kv_reserved_tokens)
-        below_watermark = int(self.kv_high_watermark * state.kv_capacity_tokens) - (
-            state.kv_used_tokens + state.kv_reserved_tokens
+        return headroom_budgets(
+            state,
+            safe_tokens_per_s,
+            share=self.margin,
+            max_tasks=self.max_tasks,
+            ttl_s=self.ttl_s,
+            kv_high_watermark=self.kv_high_watermark,
+            transfer_tokens_per_s=self.transfer_tokens_per_s,
+            decode_tokens_per_task=self.decode_tokens_per_task,
         )
-        kv = max(0, min(state.kv_free_tokens - uncovered_output, below_watermark))
-        return LeaseBudgets(
-            prefill_tokens=prefill,
-            kv_tokens=kv,
-            transfer_tokens=min(kv, int(self.transfer_tokens_per_s * self.ttl_s)),
-            decode_tokens=tasks * self.decode_tokens_per_task,
-            tasks=tasks,
-        )
+
+
+def headroom_budgets(
+    state: NodeState,
+    safe_tokens_per_s: float,
+    *,
+    share: float,
+    max_tasks: int,
+    ttl_s: float,
+    kv_high_watermark: float,
+    transfer_tokens_per_s: float,
+    decode_tokens_per_task: int,
+) -> LeaseBudgets:
+    """New headroom from a safe prefill rate, net of the borrowed work ``state`` already shows.
+
+    prefill: ``share x safe rate x ttl_s`` minus queued borrowed tokens; tasks: ``max_tasks`` minus
+    borrowed tasks, within the free decode slots; KV: free KV minus the running requests' remaining
+    output not covered by reservations, never past ``kv_high_watermark``; transfer: the link share over
+    the TTL, within the KV budget; decode work: ``tasks x decode_tokens_per_task``. Zero when the
+    prefill or task budget would be zero (a lease nobody can use). Shared by the heuristic and the RL
+    policy, which differ only in how they pick ``share`` and ``max_tasks``.
+    """
+    if not math.isfinite(safe_tokens_per_s) or safe_tokens_per_s <= 0 or share <= 0 or max_tasks <= 0:
+        return LeaseBudgets.zero()
+    prefill = int(share * safe_tokens_per_s * ttl_s) - state.borrowed_prefill_tokens_queued
+    free_slots = state.max_running_requests - state.decode_batch_size - state.queued_decode_requests
+    tasks = min(max_tasks - state.borrowed_tasks, free_slots - state.borrowed_tasks)
+    if prefill <= 0 or tasks <= 0:
+        return LeaseBudgets.zero()
+    # KV must keep room for the running requests' remaining output beyond their reservations.
+    output_need = state.decode_batch_size * state.remaining_output_tokens_mean
+    uncovered_output = max(0, math.ceil(output_need) - state.kv_reserved_tokens)
+    below_watermark = int(kv_high_watermark * state.kv_capacity_tokens) - (
+        state.kv_used_tokens + state.kv_reserved_tokens
+    )
+    kv = max(0, min(state.kv_free_tokens - uncovered_output, below_watermark))
+    return LeaseBudgets(
+        prefill_tokens=prefill,
+        kv_tokens=kv,
+        transfer_tokens=min(kv, int(transfer_tokens_per_s * ttl_s)),
+        decode_tokens=tasks * decode_tokens_per_task,
+        tasks=tasks,
+    )
 
 
 # ---- registry -------------------------------------------------------------------------------------

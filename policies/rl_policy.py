@@ -34,6 +34,7 @@ import numpy as np
 from policies.lease import LeaseBudgets
 from policies.node_policies import (
     SafePrefillPredictor,
+    headroom_budgets,
     node_policy_names,
     register_node_policy,
 )
@@ -193,26 +194,15 @@ def lease_budgets(
         compute_scale = min(compute_scale, 1.0)
         if decode_pressure(state, shape) is not None:
             return LeaseBudgets.zero()
-    if safe_tokens_per_s <= 0 or compute_scale <= 0 or tasks_cap <= 0:
-        return LeaseBudgets.zero()
-    prefill = int(compute_scale * safe_tokens_per_s * shape.ttl_s) - state.borrowed_prefill_tokens_queued
-    free_slots = state.max_running_requests - state.decode_batch_size - state.queued_decode_requests
-    tasks = min(tasks_cap - state.borrowed_tasks, free_slots - state.borrowed_tasks)
-    if prefill <= 0 or tasks <= 0:
-        return LeaseBudgets.zero()
-    # KV must keep room for the running requests' remaining output beyond their reservations.
-    output_need = state.decode_batch_size * state.remaining_output_tokens_mean
-    uncovered_output = max(0, math.ceil(output_need) - state.kv_reserved_tokens)
-    below_watermark = int(shape.kv_high_watermark * state.kv_capacity_tokens) - (
-        state.kv_used_tokens + state.kv_reserved_tokens
-    )
-    kv = max(0, min(state.kv_free_tokens - uncovered_output, below_watermark))
-    return LeaseBudgets(
-        prefill_tokens=prefill,
-        kv_tokens=kv,
-        transfer_tokens=min(kv, int(shape.transfer_tokens_per_s * shape.ttl_s)),
-        decode_tokens=tasks * shape.decode_tokens_per_task,
-        tasks=tasks,
+    return headroom_budgets(
+        state,
+        safe_tokens_per_s,
+        share=compute_scale,
+        max_tasks=tasks_cap,
+        ttl_s=shape.ttl_s,
+        kv_high_watermark=shape.kv_high_watermark,
+        transfer_tokens_per_s=shape.transfer_tokens_per_s,
+        decode_tokens_per_task=shape.decode_tokens_per_task,
     )
 
 
