@@ -24,6 +24,7 @@ from typing import Protocol, cast
 import numpy as np
 import pandas as pd
 
+from interference_model.baselines import IterationTimer as BaseIterationTimer
 from interference_model.schema import PROFILE_COLUMNS, PROFILE_SCHEMA_VERSION, validate_profiles
 
 DEFAULT_CHUNK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -31,21 +32,10 @@ DEFAULT_CHUNK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024, 2048
 experts, so the step time jumps well before 256 tokens and interpolating from 0 would misjudge it."""
 
 
-class IterationTimer(Protocol):
+class IterationTimer(BaseIterationTimer, Protocol):
     """What the profiler needs from a cost model (``envs.cost_model.CostModel`` satisfies it)."""
 
     kv_capacity_tokens: int
-
-    def iteration_times_s(
-        self,
-        prefill_tokens: np.ndarray,
-        prefill_attention_pairs: np.ndarray,
-        decode_batch: np.ndarray,
-        decode_context_tokens: np.ndarray,
-    ) -> np.ndarray: ...
-
-    @staticmethod
-    def prefill_attention_pairs(new_tokens: int, cached_tokens: int) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # recorded in artifacts as the command that made them
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as exc:

@@ -145,17 +145,10 @@ def run_train_rl(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="crossflow")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    args.argv = argv
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"crossflow {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    """``python -m train.rl_cli train-rl ...``: the same as ``crossflow train-rl ...``."""
+    from train.cli import main as crossflow_main
+
+    return crossflow_main(argv)
 
 
 if __name__ == "__main__":
