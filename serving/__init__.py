@@ -1,4 +1,5 @@
-"""Serving side (not built yet): the PD router that speaks SGLang's protocol and runs the same
-``policies.ClusterScheduler`` and ledger, the decode-side lease agent, the SGLang worker plugin for
-local prefill, an SGLang-compatible emulated worker, and the real-GPU profiler. It may import
-``interference_model``, ``policies`` and ``envs``; ``train`` may import it."""
+"""Serving side: ``profiler`` measures interference profiles on a live SGLang worker over HTTP;
+``emulated_worker`` is an SGLang-like worker timed by the cost model (tests, laptops). Not built yet:
+the PD router that speaks SGLang's protocol and runs ``policies.ClusterScheduler``, the decode-side
+lease agent and the SGLang worker plugin. May import ``interference_model``, ``policies`` and
+``envs``; ``train`` may import it."""

@@ -61,12 +61,16 @@ def _fit_command(args: argparse.Namespace) -> str:
 def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "profile",
-        help="measure interference profiles (simulated) and write them as Parquet",
+        help="measure interference profiles (simulated or on a live SGLang worker) and write them as Parquet",
         description="Sweep decode-node states x injected prefill chunks and write the profile schema "
         "(interference_model.schema). --source sim times them on the cost model with realistic noise; "
-        "a real-GPU profiler (serving side) is not implemented yet.",
+        "--source sglang measures them on the live worker at --url (serving.profiler; not yet validated "
+        "on GPU hardware).",
     )
-    p.add_argument("--source", choices=["sim"], default="sim", help="where timings come from (default: sim)")
+    p.add_argument(
+        "--source", choices=["sim", "sglang"], default="sim", help="where timings come from (default: sim)"
+    )
+    p.add_argument("--url", default=None, help="--source sglang: base URL of the SGLang worker")
     p.add_argument("--gpu", default="H200", help="GPU (default: H200)")
     p.add_argument("--model", default="gpt-oss-120b", help="model (default: gpt-oss-120b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
@@ -86,16 +90,26 @@ def run_profile(args: argparse.Namespace) -> int:
     from interference_model.schema import profiles_sha256, write_profiles
 
     t0 = time.perf_counter()
-    df = simulate_profiles(
-        args.gpu,
-        args.model,
-        args.tp,
-        args.n_states,
-        args.seed,
-        repeats=args.repeats,
-        noise=None if args.no_noise else MeasurementNoise(),
-        sampler=StateSampler(max_batch=args.max_batch),
-    )
+    if args.source == "sglang":
+        from serving.profiler import RealProfileConfig
+        from serving.profiler import run_profile as measure
+
+        if not args.url:
+            raise ValueError("--source sglang needs --url (the SGLang worker's base URL)")
+        df = measure(
+            RealProfileConfig(url=args.url, hardware=args.gpu, model=args.model, tp=args.tp, seed=args.seed)
+        )
+    else:
+        df = simulate_profiles(
+            args.gpu,
+            args.model,
+            args.tp,
+            args.n_states,
+            args.seed,
+            repeats=args.repeats,
+            noise=None if args.no_noise else MeasurementNoise(),
+            sampler=StateSampler(max_batch=args.max_batch),
+        )
     path = write_profiles(df, args.out)
     summary = {
         "path": str(path),
