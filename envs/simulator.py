@@ -803,8 +803,10 @@ class Simulator:
         ledger = getattr(self.scheduler, "ledger", None)
         for w in self.decode:
             lease = ledger.lease(w.idx) if ledger is not None else None
-            live = lease is not None and lease.expires_s > self.now_s and lease.ttl_s > 0
-            w.lease_prefill_tokens_per_s = lease.budgets.prefill_tokens / lease.ttl_s if live else 0.0
+            if lease is not None and lease.expires_s > self.now_s and lease.ttl_s > 0:
+                w.lease_prefill_tokens_per_s = lease.budgets.prefill_tokens / lease.ttl_s
+            else:
+                w.lease_prefill_tokens_per_s = 0.0
             if revoked:  # revoked before they started: back to the normal path now
                 for req in [r for r in w.borrowed if not r.started and r.reservation in revoked]:
                     w.borrowed.remove(req)
