@@ -173,28 +173,17 @@ class HeuristicPolicy:
 
     def decode_pressure(self, state: NodeState) -> str | None:
         """Why decode needs the whole node now, or ``None``. Any reason forces a zero lease."""
-        if state.queued_decode_requests > 0:
-            return f"{state.queued_decode_requests} decode request(s) queued for admission"
-        if state.kv_occupancy > self.kv_high_watermark:
-            return f"KV occupancy {state.kv_occupancy:.3f} above watermark {self.kv_high_watermark}"
-        if state.decode_batch_size >= self.batch_high_fraction * state.max_running_requests:
-            return f"batch {state.decode_batch_size} near max_running_requests {state.max_running_requests}"
-        if state.recent_step_time_s > self.itl_target_s:
-            return f"recent step {state.recent_step_time_s:.4f} s above ITL target {self.itl_target_s} s"
-        return None
+        return decode_pressure_reason(
+            state,
+            itl_target_s=self.itl_target_s,
+            kv_high_watermark=self.kv_high_watermark,
+            batch_high_fraction=self.batch_high_fraction,
+        )
 
     def propose(self, state: NodeState) -> LeaseBudgets:
         if self.decode_pressure(state) is not None:
             return LeaseBudgets.zero()
-        safe_tokens_per_s = float(
-            self.predictor.safe_prefill_tokens_per_s(
-                decode_batch_size=state.decode_batch_size,
-                context_tokens_mean=state.context_tokens_mean,
-                context_tokens_std=state.context_tokens_std,
-                remaining_output_tokens_mean=state.remaining_output_tokens_mean,
-                kv_occupancy=state.kv_occupancy,
-            )
-        )
+        safe_tokens_per_s = predict_safe(self.predictor, state)
         return headroom_budgets(
             state,
             safe_tokens_per_s,
@@ -205,6 +194,37 @@ class HeuristicPolicy:
             transfer_tokens_per_s=self.transfer_tokens_per_s,
             decode_tokens_per_task=self.decode_tokens_per_task,
         )
+
+
+def decode_pressure_reason(
+    state: NodeState, *, itl_target_s: float, kv_high_watermark: float, batch_high_fraction: float
+) -> str | None:
+    """Why decode needs the whole node now, or ``None`` (decode always wins): decode requests queued
+    for admission, KV occupancy above the watermark, a batch near ``max_running_requests``, or the
+    recent step above the ITL target. Shared by every lending policy."""
+    if state.queued_decode_requests > 0:
+        return f"{state.queued_decode_requests} decode request(s) queued for admission"
+    if state.kv_occupancy > kv_high_watermark:
+        return f"KV occupancy {state.kv_occupancy:.3f} above watermark {kv_high_watermark}"
+    if state.decode_batch_size >= batch_high_fraction * state.max_running_requests:
+        return f"batch {state.decode_batch_size} near max_running_requests {state.max_running_requests}"
+    if state.recent_step_time_s > itl_target_s:
+        return f"recent step {state.recent_step_time_s:.4f} s above ITL target {itl_target_s} s"
+    return None
+
+
+def predict_safe(predictor: SafePrefillPredictor, state: NodeState) -> float:
+    """The interference model's safe prefill tokens/s at ``state`` (0 for a non-finite answer)."""
+    value = float(
+        predictor.safe_prefill_tokens_per_s(
+            decode_batch_size=state.decode_batch_size,
+            context_tokens_mean=state.context_tokens_mean,
+            context_tokens_std=state.context_tokens_std,
+            remaining_output_tokens_mean=state.remaining_output_tokens_mean,
+            kv_occupancy=state.kv_occupancy,
+        )
+    )
+    return value if math.isfinite(value) and value > 0 else 0.0
 
 
 def headroom_budgets(

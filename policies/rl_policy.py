@@ -34,8 +34,10 @@ import numpy as np
 from policies.lease import LeaseBudgets
 from policies.node_policies import (
     SafePrefillPredictor,
+    decode_pressure_reason,
     headroom_budgets,
     node_policy_names,
+    predict_safe,
     register_node_policy,
 )
 from policies.node_state import NodeState
@@ -116,29 +118,12 @@ class LeaseShape:
 
 def decode_pressure(state: NodeState, shape: LeaseShape) -> str | None:
     """Why decode needs the whole node now (the heuristic's rules), or ``None``."""
-    if state.queued_decode_requests > 0:
-        return f"{state.queued_decode_requests} decode request(s) queued for admission"
-    if state.kv_occupancy > shape.kv_high_watermark:
-        return f"KV occupancy {state.kv_occupancy:.3f} above watermark {shape.kv_high_watermark}"
-    if state.decode_batch_size >= shape.batch_high_fraction * state.max_running_requests:
-        return f"batch {state.decode_batch_size} near max_running_requests {state.max_running_requests}"
-    if state.recent_step_time_s > shape.itl_target_s:
-        return f"recent step {state.recent_step_time_s:.4f} s above ITL target {shape.itl_target_s} s"
-    return None
-
-
-def predict_safe(predictor: SafePrefillPredictor, state: NodeState) -> float:
-    """The interference model's safe prefill tokens/s at ``state`` (0 for a non-finite answer)."""
-    value = float(
-        predictor.safe_prefill_tokens_per_s(
-            decode_batch_size=state.decode_batch_size,
-            context_tokens_mean=state.context_tokens_mean,
-            context_tokens_std=state.context_tokens_std,
-            remaining_output_tokens_mean=state.remaining_output_tokens_mean,
-            kv_occupancy=state.kv_occupancy,
-        )
+    return decode_pressure_reason(
+        state,
+        itl_target_s=shape.itl_target_s,
+        kv_high_watermark=shape.kv_high_watermark,
+        batch_high_fraction=shape.batch_high_fraction,
     )
-    return value if math.isfinite(value) and value > 0 else 0.0
 
 
 def _unit(x: float) -> float:
