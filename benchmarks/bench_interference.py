@@ -19,6 +19,7 @@ import numpy as np
 
 from envs.cost_model import CostModel
 from envs.profiler import DEFAULT_CHUNK_SIZES, simulate_profiles
+from interference_model.artifact import DEFAULT_ITL_TARGET
 from interference_model.baselines import AnalyticInverseBaseline, LinearBaseline, UtilisationThresholdBaseline
 from interference_model.evaluate import Predicts, evaluate
 from interference_model.fit import FitConfig, fit_interference_model
@@ -39,7 +40,7 @@ def main() -> int:
     ap.add_argument("--gpu", default="H200")
     ap.add_argument("--model", default="gpt-oss-120b")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--itl-target", default="1.5x")
+    ap.add_argument("--itl-target", default=DEFAULT_ITL_TARGET)
     ap.add_argument("--train-states", type=int, default=4000)
     ap.add_argument("--test-states", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=9, help="measurements per profile point")

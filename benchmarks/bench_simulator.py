@@ -46,8 +46,11 @@ def main() -> None:
     for sessions, shape in cases:
         wall, n_req, iters, events = _run(sessions, shape, args.rate)
         label = "all" if sessions is None else str(sessions)
-        print(f"{label:>8} {shape:>6} {n_req:>8} {wall:>7.2f} {n_req / wall:>8.0f} {iters / wall:>14.0f} "
-              f"{events / wall:>9.0f}", flush=True)
+        print(
+            f"{label:>8} {shape:>6} {n_req:>8} {wall:>7.2f} {n_req / wall:>8.0f} {iters / wall:>14.0f} "
+            f"{events / wall:>9.0f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

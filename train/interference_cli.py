@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from interference_model.artifact import DEFAULT_ITL_TARGET
+
 
 def _write_json(path: str | None, payload: Any) -> None:
     """Atomic JSON write (temp file + rename); no-op without a path."""
@@ -140,8 +142,9 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--profiles", required=True, help="Parquet profile file")
     p.add_argument(
         "--itl-target",
-        default="1.5x",
-        help="ITL target: ratio to the decode-only step ('1.5x') or absolute ('40ms'); default 1.5x",
+        default=DEFAULT_ITL_TARGET,
+        help="ITL target: ratio to the decode-only step ('1.5x'), absolute ('40ms'), or the looser of both "
+        f"('1.5x|25ms'); default {DEFAULT_ITL_TARGET}, as the shipped artifacts",
     )
     p.add_argument(
         "--cached-prefix-tokens", type=int, default=0, help="label prefill with this cached prefix"
