@@ -139,12 +139,12 @@ class HeuristicPolicy:
     predictor: SafePrefillPredictor
     itl_target_s: float = 0.05
     """Per-token latency target the decode batch must keep."""
-    ttl_s: float = 2.0
+    ttl_s: float = 8.0
     """Lease length, and so the horizon of the prefill budget (``safe rate x ttl_s`` tokens may be
     queued on the node). Leases are refreshed every control interval and revoked at once under decode
-    pressure, so the TTL mostly sets how much borrowed work a node accepts ahead; 2 s (four 0.5 s
-    intervals) cut TTFT far more than 1 s on the agent and Mooncake traces while keeping mean ITL
-    within 2% of static, where 8 s raised it 9% on Mooncake (docs/leases.md)."""
+    pressure, and the scheduler's ITL guard bounds the pool's step inflation, so the TTL mostly sets
+    how much borrowed work a node accepts ahead; 8 s gave the lowest TTFT of 1, 2 and 8 s on the agent
+    and Mooncake traces with mean ITL below static (docs/leases.md, benchmarks/bench_lease_ttl.py)."""
     margin: float = 0.8
     """Share of the predicted safe throughput actually lent (the predictor's error budget)."""
     kv_high_watermark: float = 0.9

@@ -127,7 +127,7 @@ class ClusterScheduler:
         control_interval_s: float = 0.5,
         congestion_wait_s: float = 0.2,
         borrow_margin: float = 0.1,
-        itl_guard: float | None = 1.10,
+        itl_guard: float | None = 1.25,
         max_records: int = 10_000,
     ) -> None:
         if not control_interval_s > 0:
