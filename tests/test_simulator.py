@@ -231,3 +231,37 @@ def test_request_larger_than_kv_is_rejected_with_a_reason_and_its_session_goes_o
     assert df.loc[[0, 1], "error"].eq("").all() and df.loc[[0, 1], "finish_s"].notna().all()
     assert res.metrics.n_rejected == 1 and res.metrics.n_finished == 2
     assert res.metrics.slo_attainment <= 2 / 3
+
+
+class _ConstantPredictor:
+    def __init__(self, tokens_per_s: float) -> None:
+        self.tokens_per_s = tokens_per_s
+
+    def safe_prefill_tokens_per_s(self, *args: float, **kwargs: float) -> float:
+        return self.tokens_per_s
+
+
+def test_conservation_with_borrowing_and_revocations() -> None:
+    """With a lease scheduler, borrowed and fallen-back requests still finish exactly once."""
+    from envs.cost_model import CostModel
+    from policies.ledger import LeaseLedger
+    from policies.node_policies import HeuristicPolicy
+    from policies.scheduler import ClusterScheduler
+
+    # two decode slots per node: decode requests queue up, so leases are revoked under decode pressure
+    trace = session_trace(n_sessions=16, turns=5, first_input=8000, grow=4000, output=200, think_s=0.5)
+    cfg = ClusterConfig(
+        n_prefill=1, n_decode=3, page_tokens=256, control_interval_s=0.5, max_running_requests=2
+    )
+    cm = CostModel(cfg.gpu, cfg.model, cfg.tp)
+    policy = HeuristicPolicy(_ConstantPredictor(40_000.0), ttl_s=2.0, max_tasks=2, batch_high_fraction=1.0)
+    scheduler = ClusterScheduler(policy, LeaseLedger(), cm, control_interval_s=0.5, congestion_wait_s=0.05)
+    sim = Simulator(trace, cfg, scheduler=scheduler, cost_model=cm, session_rate_per_s=8.0, seed=5)
+    res = sim.run()
+    assert res.metrics.n_finished == len(trace)
+    assert all(r.generated == r.output for r in sim.reqs)
+    paths = res.requests["path"].value_counts()
+    assert paths.get("borrowed", 0) > 0 and paths.get("fallback", 0) > 0  # both paths exercised
+    assert sim.counters.fallbacks == paths["fallback"]
+    assert sim.counters.borrowed_prefill_tokens > 0
+    assert not scheduler.ledger.active_ids()  # every reservation was released
