@@ -101,6 +101,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     m = result.metrics
     rows = [
         ("requests finished", f"{m.n_finished} / {m.n_requests}"),
+        ("rejected (larger than KV)", f"{m.n_rejected}"),
         ("simulated duration", f"{m.duration_s:,.1f} s"),
         ("input throughput", f"{m.input_tokens_per_s:,.0f} tok/s"),
         ("output throughput", f"{m.output_tokens_per_s:,.0f} tok/s"),
