@@ -11,11 +11,12 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: compare test lint bench
+.PHONY: compare test lint
 compare: $(STAMP)  ## the main job: static PD vs Crossflow on the bundled traces
 	$(VENV)/bin/crossflow compare
 
-test: $(STAMP)
+test: $(STAMP)  ## lint (pinned ruff) and the test suite
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -n 2 -q
 
 lint: $(STAMP)
