@@ -128,7 +128,11 @@ class PrefixCache:
         self.evict_to(self.capacity_pages, keep=segs[0][0] if segs else -1)
 
     def evict_to(self, capacity_pages: int, keep: int = -1) -> None:
-        """Evict least recently used runs until at most ``capacity_pages`` are held."""
+        """Evict least recently used runs until at most ``capacity_pages`` are held.
+
+        ``keep`` is an origin that survives as the last entry standing: ``insert`` passes the root
+        run of the request it just cached, so a request larger than the cache keeps its prefix start.
+        """
         self.capacity_pages = capacity_pages
         while self.used_pages > capacity_pages and self._cached_end:
             origin, end = next(iter(self._cached_end.items()))

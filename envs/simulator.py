@@ -74,7 +74,6 @@ class _Req:
         "cached",
         "context",
         "decode_worker",
-        "depends_released",
         "done",
         "error",
         "finish_s",
@@ -120,7 +119,6 @@ class _Req:
         self.pull = 0
         self.queued_estimate = 0
         self.error = ""
-        self.depends_released = False
 
 
 @dataclass
