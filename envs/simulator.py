@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -181,6 +181,32 @@ class _DecodeWorker:
     iter_decode_only_s: float = 0.0
     borrowed_tokens_total: int = 0
     lease_prefill_tokens_per_s: float = 0.0
+
+
+class _DecodeCacheMatches(Mapping[int, int]):
+    """node id -> prefix tokens of ``req`` cached on that decode node, looked up on first access.
+
+    The scheduler reads it only for nodes whose lease could take the request, and only when the
+    prefill pool is congested, so most arrivals never walk the decode caches at all.
+    """
+
+    def __init__(self, workers: Sequence[_DecodeWorker], req: _Req) -> None:
+        self._workers = {w.idx: w for w in workers if w.cache is not None}
+        self._req = req
+        self._found: dict[int, int] = {}
+
+    def __getitem__(self, node_id: int) -> int:
+        if node_id not in self._found:
+            cache = self._workers[node_id].cache
+            assert cache is not None
+            self._found[node_id] = min(cache.match_tokens(self._req.rid), self._req.input - 1)
+        return self._found[node_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._workers)
+
+    def __len__(self) -> int:
+        return len(self._workers)
 
 
 def _iteration_boundary(t0: float, dt: float, elapsed: float, k: int) -> int:
@@ -355,11 +381,7 @@ class Simulator:
         match = pw.cache.match_tokens(req.rid)
         cached = min(match, req.input - 1)
         uncached = req.input - cached
-        decode_cached = {
-            w.idx: min(w.cache.match_tokens(req.rid), req.input - 1)
-            for w in self.decode
-            if w.cache is not None
-        }
+        decode_cached = _DecodeCacheMatches(self.decode, req)
         query = PathQuery(
             request_id=req.rid,
             session_id=self.trace.requests[req.rid].session_id,
