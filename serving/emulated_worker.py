@@ -2,16 +2,18 @@
 
 It serves the part of SGLang's native HTTP API that clients of a single worker use —
 ``POST /generate`` (``input_ids`` or ``text``, ``sampling_params.max_new_tokens`` / ``ignore_eos``,
-``stream``), ``GET /health``, ``GET /get_model_info`` and ``GET /get_server_info`` (with
-``max_total_num_tokens`` and ``chunked_prefill_size``) — and schedules requests like SGLang does:
-FCFS chunked prefill mixed into continuous-batching decode iterations, one token per running request
-per iteration, each iteration lasting what the cost model says (times ``time_scale``). Streaming
+``stream``), ``GET /health``, ``GET /model_info`` and ``GET /server_info`` (also under their older
+``/get_`` names; with ``max_total_num_tokens`` and ``chunked_prefill_size``) — and schedules
+requests like SGLang does: FCFS chunked prefill mixed into continuous-batching decode iterations,
+one token per running request per iteration, each iteration lasting what the cost model says (times ``time_scale``). Streaming
 responses are server-sent events (``data: {json}`` lines, then ``data: [DONE]``); a client that
 disconnects aborts its request.
 
 It is what the real-GPU profiler (``serving.profiler``) is tested against, and a laptop stand-in for a
-worker. It is not yet a full PD worker: no KV-transfer bootstrap endpoints, so the real sglang-router
-cannot drive it in PD mode.
+worker. The real ``sglang-router`` 0.3.2 in its regular (non-PD) mode accepted it and forwarded
+streaming and non-streaming ``/generate`` in a manual check; that check is not a test yet because the
+router also tries to fetch the model's tokenizer from the Hugging Face hub, which must be blocked
+first. It is not yet a PD worker: no KV-transfer bootstrap endpoints.
 
     python -m serving.emulated_worker --gpu H200 --model gpt-oss-120b --port 30000
 """
@@ -204,9 +206,9 @@ class EmulatedWorker:
     async def _route(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> None:
         if method == "GET" and path in ("/health", "/health_generate"):
             await self._respond(writer, 200, {})
-        elif method == "GET" and path == "/get_model_info":
+        elif method == "GET" and path in ("/model_info", "/get_model_info"):
             await self._respond(writer, 200, {"model_path": self.cm.model.name, "is_generation": True})
-        elif method == "GET" and path == "/get_server_info":
+        elif method == "GET" and path in ("/server_info", "/get_server_info"):
             await self._respond(writer, 200, self.server_info())
         elif method == "POST" and path == "/generate":
             await self._generate(json.loads(body or b"{}"), writer)

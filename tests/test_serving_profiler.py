@@ -78,3 +78,11 @@ def test_real_profiler_on_sglang() -> None:
     )
     df = run_profile(cfg)
     assert (df["iteration_time_s"] >= df["decode_only_time_s"] * 0.9).all()
+
+
+def test_emulated_worker_serves_current_and_legacy_info_routes(worker: EmulatedWorker) -> None:
+    for path in ("/server_info", "/get_server_info"):
+        assert httpx.get(f"{worker.url}{path}", timeout=10).json()["chunked_prefill_size"] == 8192
+    for path in ("/model_info", "/get_model_info"):
+        assert httpx.get(f"{worker.url}{path}", timeout=10).json()["model_path"] == "gpt-oss-120b"
+    assert httpx.get(f"{worker.url}/no/such/route", timeout=10).status_code == 404
