@@ -5,8 +5,8 @@ It serves the part of SGLang's native HTTP API that clients of a single worker u
 ``stream``), ``GET /health``, ``GET /model_info`` and ``GET /server_info`` (also under their older
 ``/get_`` names; with ``max_total_num_tokens`` and ``chunked_prefill_size``) — and schedules
 requests like SGLang does: FCFS chunked prefill mixed into continuous-batching decode iterations,
-one token per running request per iteration, each iteration lasting what the cost model says (times ``time_scale``). Streaming
-responses are server-sent events (``data: {json}`` lines, then ``data: [DONE]``); a client that
+one token per running request per iteration, each iteration lasting what the cost model says
+(times ``time_scale``). Streaming responses are server-sent events (``data: {json}`` lines, then ``data: [DONE]``); a client that
 disconnects aborts its request.
 
 It is what the real-GPU profiler (``serving.profiler``) is tested against, and a laptop stand-in for a
