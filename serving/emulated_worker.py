@@ -6,8 +6,8 @@ It serves the part of SGLang's native HTTP API that clients of a single worker u
 ``/get_`` names; with ``max_total_num_tokens`` and ``chunked_prefill_size``) — and schedules
 requests like SGLang does: FCFS chunked prefill mixed into continuous-batching decode iterations,
 one token per running request per iteration, each iteration lasting what the cost model says
-(times ``time_scale``). Streaming responses are server-sent events (``data: {json}`` lines, then ``data: [DONE]``); a client that
-disconnects aborts its request.
+(times ``time_scale``). Streaming responses are server-sent events (``data: {json}`` lines, then
+``data: [DONE]``); a client that disconnects aborts its request.
 
 It is what the real-GPU profiler (``serving.profiler``) is tested against, and a laptop stand-in for a
 worker. The real ``sglang-router`` 0.3.2 in its regular (non-PD) mode accepted it and forwarded
