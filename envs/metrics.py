@@ -141,7 +141,7 @@ def _offered_timeline(sim: Simulator, df: pd.DataFrame) -> pd.DataFrame:
 
 def build_result(sim: Simulator) -> SimResult:
     """Collect a finished (or stopped) simulation into records and metrics."""
-    from envs.simulator import BORROWED, FALLBACK, PATH_NAMES
+    from envs.sim_state import BORROWED, FALLBACK, PATH_NAMES
 
     cfg = sim.config
     reqs = [r for r in sim.reqs if not math.isnan(r.arrival_s)]

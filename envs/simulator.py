@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,11 +38,18 @@ from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.metrics import SimResult, build_result
 from envs.prefix_cache import PrefixCache, PrefixIndex
-from envs.request import Request, Trace
+from envs.request import Trace
+from envs.sim_state import (
+    BORROWED,
+    FALLBACK,
+    Counters,
+    _DecodeCacheMatches,
+    _DecodeWorker,
+    _iteration_boundary,
+    _PrefillWorker,
+    _Req,
+)
 from policies.node_state import NodeState
-
-NORMAL, BORROWED, FALLBACK = 0, 1, 2
-PATH_NAMES = ("normal", "borrowed", "fallback")
 
 # Event kinds, in tie-break priority order at equal times.
 _EV_TRANSFER, _EV_PREFILL, _EV_DECODE, _EV_BORROW, _EV_RELEASE, _EV_TICK = range(6)
@@ -66,158 +71,6 @@ class SchedulerHooks(Protocol):
     def on_prefill_done(self, reservation_id: int) -> Any: ...
 
     def on_request_finished(self, reservation_id: int) -> Any: ...
-
-
-class _Req:
-    __slots__ = (
-        "arrival_s",
-        "cached",
-        "context",
-        "decode_worker",
-        "done",
-        "error",
-        "finish_s",
-        "first_token_s",
-        "generated",
-        "has_kv",
-        "input",
-        "last_token_s",
-        "needs_recompute",
-        "output",
-        "path",
-        "prefill_worker",
-        "pull",
-        "queued_estimate",
-        "reservation",
-        "reserve_left",
-        "retractions",
-        "rid",
-        "started",
-    )
-
-    def __init__(self, r: Request) -> None:
-        self.rid = r.request_id
-        self.input = max(1, r.input_tokens)
-        self.output = max(1, r.output_tokens)
-        self.arrival_s = math.nan
-        self.first_token_s = math.nan
-        self.finish_s = math.nan
-        self.last_token_s = math.nan
-        self.cached = 0
-        self.done = 0
-        self.started = False
-        self.generated = 0
-        self.context = 0
-        self.reserve_left = 0
-        self.has_kv = False
-        self.needs_recompute = False
-        self.retractions = 0
-        self.path = NORMAL
-        self.prefill_worker = -1
-        self.decode_worker = -1
-        self.reservation = -1
-        self.pull = 0
-        self.queued_estimate = 0
-        self.error = ""
-
-
-@dataclass
-class Counters:
-    """Running totals since the simulation started (an RL reward reads their differences)."""
-
-    prefill_tokens: int = 0
-    """Prompt tokens computed (prefill workers and borrowed prefill on decode nodes)."""
-    borrowed_prefill_tokens: int = 0
-    output_tokens: int = 0
-    """Output tokens produced (first tokens included)."""
-    first_tokens: int = 0
-    ttft_slo_misses: int = 0
-    """Requests whose first token came later than ``slo_ttft_s`` after arrival."""
-    itl_slo_miss_tokens: int = 0
-    """Tokens produced by iterations slower than ``slo_itl_s``."""
-    fallbacks: int = 0
-    """Borrowed requests sent back to the normal path before their first token."""
-    finished: int = 0
-    rejected: int = 0
-    """Requests refused at arrival (they could never fit a worker's KV cache)."""
-
-
-@dataclass
-class _PrefillWorker:
-    idx: int
-    cache: PrefixCache
-    queue: deque[_Req] = field(default_factory=deque)
-    queued_tokens: int = 0
-    """Uncomputed tokens queued (estimated from the routing-time cache match)."""
-    busy: bool = False
-    busy_s: float = 0.0
-    batch: list[tuple[_Req, int]] = field(default_factory=list)
-
-
-@dataclass
-class _DecodeWorker:
-    idx: int
-    cache: PrefixCache | None
-    capacity_tokens: int
-    waiting: deque[_Req] = field(default_factory=deque)
-    running: list[_Req] = field(default_factory=list)
-    borrowed: deque[_Req] = field(default_factory=deque)
-    kv_used: int = 0
-    kv_reserved: int = 0
-    busy: bool = False
-    busy_s: float = 0.0
-    generation: int = 0
-    # current iteration (or jump of identical iterations)
-    iter_start_s: float = 0.0
-    iter_t0_s: float = 0.0
-    iter_dt_s: float = 0.0
-    iter_k: int = 0
-    iter_prefill: list[tuple[_Req, int]] = field(default_factory=list)
-    # per control interval accounting
-    step_time_sum_s: float = 0.0
-    decode_only_sum_s: float = 0.0
-    """What the same iterations would have taken without prefill mixed in."""
-    step_count: int = 0
-    iter_decode_only_s: float = 0.0
-    borrowed_tokens_total: int = 0
-    lease_prefill_tokens_per_s: float = 0.0
-
-
-class _DecodeCacheMatches(Mapping[int, int]):
-    """node id -> prefix tokens of ``req`` cached on that decode node, looked up on first access.
-
-    The scheduler reads it only for nodes whose lease could take the request, and only when the
-    prefill pool is congested, so most arrivals never walk the decode caches at all.
-    """
-
-    def __init__(self, workers: Sequence[_DecodeWorker], req: _Req) -> None:
-        self._workers = {w.idx: w for w in workers if w.cache is not None}
-        self._req = req
-        self._found: dict[int, int] = {}
-
-    def __getitem__(self, node_id: int) -> int:
-        if node_id not in self._found:
-            cache = self._workers[node_id].cache
-            assert cache is not None
-            self._found[node_id] = min(cache.match_tokens(self._req.rid), self._req.input - 1)
-        return self._found[node_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._workers)
-
-    def __len__(self) -> int:
-        return len(self._workers)
-
-
-def _iteration_boundary(t0: float, dt: float, elapsed: float, k: int) -> int:
-    """Smallest j in [1, k] with j*t0 + dt*j*(j-1)/2 >= elapsed."""
-    if dt <= 0.0:
-        j = math.ceil(elapsed / t0 - 1e-12) if t0 > 0 else 1
-    else:
-        # dt/2 j^2 + (t0 - dt/2) j - elapsed = 0
-        a, b = dt / 2.0, t0 - dt / 2.0
-        j = math.ceil((-b + math.sqrt(b * b + 4 * a * elapsed)) / (2 * a) - 1e-9)
-    return min(k, max(1, j))
 
 
 class Simulator:
@@ -891,3 +744,6 @@ def simulate(
 
     with tqdm(total=len(trace.requests), unit="req", desc=f"simulate {config.shape}", leave=False) as bar:
         return sim.run(progress=bar.update)
+
+
+__all__ = ["Counters", "SchedulerHooks", "Simulator", "simulate"]
