@@ -18,7 +18,9 @@ NORMAL, BORROWED, FALLBACK = 0, 1, 2
 PATH_NAMES = ("normal", "borrowed", "fallback")
 
 
-class _Req:
+class ReqState:
+    """One request in flight: its path, workers, prefill progress, KV held and token times."""
+
     __slots__ = (
         "arrival_s",
         "cached",
@@ -93,25 +95,30 @@ class Counters:
 
 
 @dataclass
-class _PrefillWorker:
+class PrefillWorker:
+    """A prefill worker: FCFS queue, prefix cache, the chunks of the iteration in flight."""
+
     idx: int
     cache: PrefixCache
-    queue: deque[_Req] = field(default_factory=deque)
+    queue: deque[ReqState] = field(default_factory=deque)
     queued_tokens: int = 0
     """Uncomputed tokens queued (estimated from the routing-time cache match)."""
     busy: bool = False
     busy_s: float = 0.0
-    batch: list[tuple[_Req, int]] = field(default_factory=list)
+    batch: list[tuple[ReqState, int]] = field(default_factory=list)
 
 
 @dataclass
-class _DecodeWorker:
+class DecodeWorker:
+    """A decode worker: waiting and running requests, borrowed prefill tasks, KV accounting, and the
+    iteration (or jump of identical iterations) in flight."""
+
     idx: int
     cache: PrefixCache | None
     capacity_tokens: int
-    waiting: deque[_Req] = field(default_factory=deque)
-    running: list[_Req] = field(default_factory=list)
-    borrowed: deque[_Req] = field(default_factory=deque)
+    waiting: deque[ReqState] = field(default_factory=deque)
+    running: list[ReqState] = field(default_factory=list)
+    borrowed: deque[ReqState] = field(default_factory=deque)
     kv_used: int = 0
     kv_reserved: int = 0
     busy: bool = False
@@ -122,7 +129,7 @@ class _DecodeWorker:
     iter_t0_s: float = 0.0
     iter_dt_s: float = 0.0
     iter_k: int = 0
-    iter_prefill: list[tuple[_Req, int]] = field(default_factory=list)
+    iter_prefill: list[tuple[ReqState, int]] = field(default_factory=list)
     # per control interval accounting
     step_time_sum_s: float = 0.0
     decode_only_sum_s: float = 0.0
@@ -133,14 +140,14 @@ class _DecodeWorker:
     lease_prefill_tokens_per_s: float = 0.0
 
 
-class _DecodeCacheMatches(Mapping[int, int]):
+class DecodeCacheMatches(Mapping[int, int]):
     """node id -> prefix tokens of ``req`` cached on that decode node, looked up on first access.
 
     The scheduler reads it only for nodes whose lease could take the request, and only when the
     prefill pool is congested, so most arrivals never walk the decode caches at all.
     """
 
-    def __init__(self, workers: Sequence[_DecodeWorker], req: _Req) -> None:
+    def __init__(self, workers: Sequence[DecodeWorker], req: ReqState) -> None:
         self._workers = {w.idx: w for w in workers if w.cache is not None}
         self._req = req
         self._found: dict[int, int] = {}
@@ -159,7 +166,7 @@ class _DecodeCacheMatches(Mapping[int, int]):
         return len(self._workers)
 
 
-def _iteration_boundary(t0: float, dt: float, elapsed: float, k: int) -> int:
+def iteration_boundary(t0: float, dt: float, elapsed: float, k: int) -> int:
     """Smallest j in [1, k] with j*t0 + dt*j*(j-1)/2 >= elapsed."""
     if dt <= 0.0:
         j = math.ceil(elapsed / t0 - 1e-12) if t0 > 0 else 1

@@ -43,11 +43,11 @@ from envs.sim_state import (
     BORROWED,
     FALLBACK,
     Counters,
-    _DecodeCacheMatches,
-    _DecodeWorker,
-    _iteration_boundary,
-    _PrefillWorker,
-    _Req,
+    DecodeCacheMatches,
+    DecodeWorker,
+    PrefillWorker,
+    ReqState,
+    iteration_boundary,
 )
 from policies.node_state import NodeState
 
@@ -101,15 +101,13 @@ class Simulator:
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
-        self.reqs = [_Req(r) for r in trace.requests]
+        self.reqs = [ReqState(r) for r in trace.requests]
         self._children: dict[int, list[int]] = {}
         self.index = PrefixIndex(trace.requests, config.page_tokens)
         cap_pages = int(self.cm.kv_capacity_tokens * config.prefill_cache_fraction) // config.page_tokens
-        self.prefill = [
-            _PrefillWorker(i, PrefixCache(self.index, cap_pages)) for i in range(config.n_prefill)
-        ]
+        self.prefill = [PrefillWorker(i, PrefixCache(self.index, cap_pages)) for i in range(config.n_prefill)]
         self.decode = [
-            _DecodeWorker(
+            DecodeWorker(
                 i,
                 PrefixCache(self.index, 0) if config.decode_prefix_cache else None,
                 self.cm.kv_capacity_tokens,
@@ -225,7 +223,7 @@ class Simulator:
                 return
         self._route_normal(req)
 
-    def _choose_path(self, req: _Req) -> Any:
+    def _choose_path(self, req: ReqState) -> Any:
         """Ask the scheduler; on 'borrow' hand the task to the node and return the decision."""
         from policies.scheduler import PathQuery  # local: keeps envs importable without a scheduler
 
@@ -234,7 +232,7 @@ class Simulator:
         match = pw.cache.match_tokens(req.rid)
         cached = min(match, req.input - 1)
         uncached = req.input - cached
-        decode_cached = _DecodeCacheMatches(self.decode, req)
+        decode_cached = DecodeCacheMatches(self.decode, req)
         query = PathQuery(
             request_id=req.rid,
             session_id=self.trace.requests[req.rid].session_id,
@@ -280,12 +278,12 @@ class Simulator:
             latency_s=self.config.kv_transfer_latency_s,
         )
 
-    def _prefill_queue_wait_s(self, pw: _PrefillWorker) -> float:
+    def _prefill_queue_wait_s(self, pw: PrefillWorker) -> float:
         if pw.queued_tokens <= 0:
             return 0.0
         return self.cm.prefill_time_s(pw.queued_tokens, 0, self.config.prefill_chunk_tokens)
 
-    def _pick_prefill(self, req: _Req) -> _PrefillWorker:
+    def _pick_prefill(self, req: ReqState) -> PrefillWorker:
         workers = self.prefill
         policy = self.config.prefill_routing
         if len(workers) == 1:
@@ -303,19 +301,19 @@ class Simulator:
             return min(workers, key=lambda w: (len(w.queue), w.queued_tokens, w.idx))
         return max(workers, key=lambda w: (w.cache.match_tokens(req.rid), -w.queued_tokens, -w.idx))
 
-    def _pick_decode(self) -> _DecodeWorker:
+    def _pick_decode(self) -> DecodeWorker:
         workers = self.decode
         if self.config.decode_routing == "round_robin":
             self._rr_decode = (self._rr_decode + 1) % len(workers)
             return workers[self._rr_decode]
         return min(workers, key=lambda w: (len(w.running) + len(w.waiting), w.kv_used + w.kv_reserved, w.idx))
 
-    def _route_normal(self, req: _Req) -> None:
+    def _route_normal(self, req: ReqState) -> None:
         pw = self._pick_prefill(req)
         cached = min(pw.cache.match_tokens(req.rid), req.input - 1)
         self._enqueue_prefill(req, pw, req.input - cached)
 
-    def _enqueue_prefill(self, req: _Req, pw: _PrefillWorker, uncached_estimate: int) -> None:
+    def _enqueue_prefill(self, req: ReqState, pw: PrefillWorker, uncached_estimate: int) -> None:
         req.prefill_worker = pw.idx
         if req.decode_worker < 0 or req.path == FALLBACK:
             req.decode_worker = self._pick_decode().idx
@@ -325,7 +323,7 @@ class Simulator:
         if not pw.busy:
             self._start_prefill_iteration(pw)
 
-    def _fallback(self, req: _Req) -> None:
+    def _fallback(self, req: ReqState) -> None:
         """A borrowed request that will not start on its node goes back to the normal path."""
         if self.scheduler is not None and req.reservation >= 0:
             self.scheduler.on_fallback(req.reservation)
@@ -337,9 +335,9 @@ class Simulator:
         self._route_normal(req)
 
     # ---------------------------------------------------------------- prefill workers
-    def _start_prefill_iteration(self, pw: _PrefillWorker) -> None:
+    def _start_prefill_iteration(self, pw: PrefillWorker) -> None:
         budget = self.config.prefill_chunk_tokens
-        batch: list[tuple[_Req, int]] = []
+        batch: list[tuple[ReqState, int]] = []
         chunks: list[tuple[int, int]] = []
         for req in pw.queue:
             if budget <= 0:
@@ -384,24 +382,24 @@ class Simulator:
         self._kick_decode(w)
 
     # ---------------------------------------------------------------- decode workers
-    def _kick_decode(self, w: _DecodeWorker) -> None:
+    def _kick_decode(self, w: DecodeWorker) -> None:
         """Something arrived for ``w``: start an iteration, or cut a running jump short."""
         if not w.busy:
             self._start_decode_iteration(w)
             return
         if w.iter_k <= 1:
             return
-        j = _iteration_boundary(w.iter_t0_s, w.iter_dt_s, self.now_s - w.iter_start_s, w.iter_k)
+        j = iteration_boundary(w.iter_t0_s, w.iter_dt_s, self.now_s - w.iter_start_s, w.iter_k)
         if j < w.iter_k:
             w.generation += 1
             w.iter_k = j
             end = w.iter_start_s + j * w.iter_t0_s + w.iter_dt_s * j * (j - 1) / 2
             self._push(end, _EV_DECODE, w.idx, w.generation)
 
-    def _kv_free(self, w: _DecodeWorker) -> int:
+    def _kv_free(self, w: DecodeWorker) -> int:
         return w.capacity_tokens - w.kv_used - w.kv_reserved
 
-    def _make_room(self, w: _DecodeWorker, tokens: int) -> bool:
+    def _make_room(self, w: DecodeWorker, tokens: int) -> bool:
         """Evict decode-side prefix cache if needed; True when ``tokens`` more KV fit."""
         free = self._kv_free(w)
         if w.cache is not None:
@@ -410,7 +408,7 @@ class Simulator:
                 w.cache.evict_to(max(0, (free - tokens) // self.config.page_tokens))
         return free >= tokens
 
-    def _admit(self, w: _DecodeWorker) -> None:
+    def _admit(self, w: DecodeWorker) -> None:
         cfg = self.config
         while w.waiting and len(w.running) < cfg.max_running_requests:
             req = w.waiting[0]
@@ -432,7 +430,7 @@ class Simulator:
                 if req.generated >= req.output:
                     self._finish(w, req)
 
-    def _emit_first_token(self, req: _Req) -> None:
+    def _emit_first_token(self, req: ReqState) -> None:
         c = self.counters
         c.first_tokens += 1
         c.output_tokens += 1
@@ -442,7 +440,7 @@ class Simulator:
         req.first_token_s = self.now_s
         req.last_token_s = self.now_s
 
-    def _retract(self, w: _DecodeWorker) -> None:
+    def _retract(self, w: DecodeWorker) -> None:
         """KV ran out: the newest running request gives its KV back and waits to re-prefill."""
         req = max(w.running, key=lambda r: (r.arrival_s, r.rid))
         w.running.remove(req)
@@ -455,7 +453,7 @@ class Simulator:
         req.retractions += 1
         w.waiting.appendleft(req)
 
-    def _take_borrowed_chunks(self, w: _DecodeWorker, decode_step_s: float) -> list[tuple[_Req, int]]:
+    def _take_borrowed_chunks(self, w: DecodeWorker, decode_step_s: float) -> list[tuple[ReqState, int]]:
         """Chunks of borrowed prefill to mix into this iteration, within the lease's rate.
 
         Started tasks continue; a task not yet started re-checks the node with the scheduler first and
@@ -463,7 +461,7 @@ class Simulator:
         if not w.borrowed or self.scheduler is None:
             return []
         budget = max(self.config.page_tokens, int(w.lease_prefill_tokens_per_s * max(decode_step_s, 0.01)))
-        chunks: list[tuple[_Req, int]] = []
+        chunks: list[tuple[ReqState, int]] = []
         state: NodeState | None = None
         for req in list(w.borrowed):
             if budget <= 0:
@@ -498,7 +496,7 @@ class Simulator:
             budget -= take
         return chunks
 
-    def _start_decode_iteration(self, w: _DecodeWorker) -> None:
+    def _start_decode_iteration(self, w: DecodeWorker) -> None:
         cfg = self.config
         self._admit(w)
         # Requests past their KV reservation grow by one token per iteration; retract until that fits.
@@ -554,7 +552,7 @@ class Simulator:
                 fast = 0 if t0 > slo else min(k, int((slo - t0) / dt) + 1)
                 slow = k - fast
                 c.itl_slo_miss_tokens += slow * len(decoding)
-        finished: list[_Req] = []
+        finished: list[ReqState] = []
         for req in decoding:
             before = req.reserve_left
             used = min(before, k)
@@ -584,7 +582,7 @@ class Simulator:
             self._finish(w, req)
         self._start_decode_iteration(w)
 
-    def _borrowed_prefill_done(self, w: _DecodeWorker, req: _Req) -> None:
+    def _borrowed_prefill_done(self, w: DecodeWorker, req: ReqState) -> None:
         w.borrowed.remove(req)
         if self.scheduler is not None:
             self.scheduler.on_prefill_done(req.reservation)
@@ -602,19 +600,19 @@ class Simulator:
             req.reserve_left = 0
             w.waiting.appendleft(req)
 
-    def _reject(self, req: _Req, reason: str) -> None:
+    def _reject(self, req: ReqState, reason: str) -> None:
         """Refuse a request with a reason (as the server would); its session carries on."""
         req.error = reason
         self.finished += 1
         self.counters.rejected += 1
         self._release_children(req)
 
-    def _release_children(self, req: _Req) -> None:
+    def _release_children(self, req: ReqState) -> None:
         for child in self._children.get(req.rid, ()):
             think = max(0.0, self.trace.requests[child].think_time_s)
             self._push(self.now_s + think, _EV_RELEASE, child, 0)
 
-    def _finish(self, w: _DecodeWorker, req: _Req) -> None:
+    def _finish(self, w: DecodeWorker, req: ReqState) -> None:
         req.finish_s = self.now_s
         if req in w.running:  # a borrowed one-token request finishes straight from its prefill
             w.running.remove(req)
@@ -632,7 +630,7 @@ class Simulator:
         self._release_children(req)
 
     # ---------------------------------------------------------------- control interval
-    def _node_state(self, w: _DecodeWorker) -> NodeState:
+    def _node_state(self, w: DecodeWorker) -> NodeState:
         running = [r for r in w.running if not r.needs_recompute]
         n = len(running)
         if n:
