@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
 from interference_model.artifact import DEFAULT_ITL_TARGET, default_predictor, load_predictor
-from train import interference_cli
+from train.cli import main
 
 
 def run(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="crossflow")
-    sub = parser.add_subparsers(dest="command", required=True)
-    interference_cli.add_profile_parser(sub)
-    interference_cli.add_fit_parser(sub)
-    interference_cli.add_eval_parser(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    """The ``crossflow`` entry point itself, in process."""
+    return main(list(argv))
 
 
 def test_profile_fit_eval(tmp_path: Path) -> None:
@@ -103,7 +97,7 @@ def test_profile_fit_eval(tmp_path: Path) -> None:
     assert pred.safe_prefill_tokens_per_s(32, 4000.0, 800.0, 300.0, 0.2) > 0
 
 
-def test_eval_refuses_profiles_of_another_setup(tmp_path: Path) -> None:
+def test_eval_refuses_profiles_of_another_setup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("envs.cost_model")
     assert run("profile", "--n-states", "40", "--repeats", "2", "--out", str(tmp_path / "a.parquet")) == 0
     assert (
@@ -126,14 +120,13 @@ def test_eval_refuses_profiles_of_another_setup(tmp_path: Path) -> None:
         )
         == 0
     )
-    with pytest.raises(ValueError, match="profiles are for"):
-        run(
-            "eval-interference",
-            "--artifact",
-            str(tmp_path / "art"),
-            "--profiles",
-            str(tmp_path / "b.parquet"),
-        )
+    capsys.readouterr()
+    code = run(
+        "eval-interference", "--artifact", str(tmp_path / "art"), "--profiles", str(tmp_path / "b.parquet")
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "crossflow eval-interference: error:" in err and "profiles are for ('h200', 'glm-5', 8)" in err
 
 
 @pytest.mark.parametrize(("gpu", "model", "tp"), [("H200", "gpt-oss-120b", 1), ("H200", "GLM-5", 8)])
