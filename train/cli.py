@@ -6,39 +6,15 @@ Every subcommand that produces figures takes ``--json PATH`` and writes them mac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+
+from train.jsonio import write_json
 
 # W&B stays offline unless the user logged in and asked for online mode.
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-
-
-def write_json(path: str | Path | None, payload: Any) -> None:
-    """Write ``payload`` as JSON atomically (temp file + rename); no-op when ``path`` is None."""
-    if not path:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
-    tmp.replace(path)
-
-
-def _json_default(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        return float(obj)
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:

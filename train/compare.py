@@ -31,6 +31,7 @@ from envs.cluster_config import parse_shape
 from envs.request import Trace
 from train import report
 from train.experiment import Point, default_tp, prepare_trace, run_point
+from train.jsonio import write_json
 from train.saturation import SATURATION_THRESHOLD, _saturation_job, served_slo_share
 
 DEFAULT_POLICIES = ("static", "heuristic")
@@ -193,12 +194,6 @@ def _map(
         bar.close()
 
 
-def _atomic_json(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=float) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def saturation_loads(spec: GridSpec, out_dir: Path, jobs: int, progress: bool) -> list[dict[str, Any]]:
     """Static saturation per (trace, model, shape), reusing ``saturation.json`` in ``out_dir`` if present."""
     cache_path = out_dir / "saturation.json"
@@ -221,7 +216,7 @@ def saturation_loads(spec: GridSpec, out_dir: Path, jobs: int, progress: bool) -
     for res in _map(_saturation_job, todo, jobs, "saturation search", progress):
         key = (res["trace"], res["model"], res["shape"], res["gpu"], res["max_requests"], res["seed"])
         cache[name[key]] = res
-        _atomic_json(cache_path, cache)
+        write_json(cache_path, cache, indent=1)
     return [cache[name[k]] for k in keys]
 
 
@@ -308,7 +303,7 @@ def run_compare(
     if use_wandb:
         results["wandb"] = _log_wandb(points, out, tasks)
     results["wall_s"] = time.perf_counter() - t0
-    _atomic_json(out / "results.json", results)
+    write_json(out / "results.json", results, indent=1)
     report.write_report(results, out)
     return results
 
@@ -507,7 +502,7 @@ def _run(args: argparse.Namespace) -> int:
         spec, out, jobs=args.jobs, progress=not args.no_progress, use_wandb=not args.no_wandb, command=command
     )
     if args.json:
-        _atomic_json(Path(args.json), results)
+        write_json(Path(args.json), results, indent=1)
     failed = [p["label"] for p in results["points"] if p.get("error")] + [
         c["label"] for c in results["failed_oracle"]
     ]

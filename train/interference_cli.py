@@ -8,10 +8,7 @@ evaluation against baselines on held-out profiles. Each command returns an exit 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,19 +16,7 @@ from typing import Any
 import numpy as np
 
 from interference_model.artifact import DEFAULT_ITL_TARGET
-
-
-def _write_json(path: str | None, payload: Any) -> None:
-    """Atomic JSON write (temp file + rename); no-op without a path."""
-    if not path:
-        return
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=2, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
-        fh.write("\n")
-    os.replace(tmp, out)
+from train.jsonio import write_json
 
 
 def _fit_command(args: argparse.Namespace) -> str:
@@ -125,7 +110,7 @@ def run_profile(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     print(f"wrote {summary['rows']} rows ({summary['states']} states) to {path}")
-    _write_json(args.json, summary)
+    write_json(args.json, summary)
     return 0
 
 
@@ -228,7 +213,7 @@ def run_fit(args: argparse.Namespace) -> int:
     )
     if args.wandb:
         summary["wandb_logged"] = log_artifact_to_wandb(out)
-    _write_json(args.json, summary)
+    write_json(args.json, summary)
     return 0
 
 
@@ -320,7 +305,7 @@ def run_eval(args: argparse.Namespace) -> int:
             r = report["vs_reference"][name]
             line += f"   {r['mape']:>17.1%}{r['unsafe_share']:>8.1%}"
         print(line)
-    _write_json(args.json, report)
+    write_json(args.json, report)
     return 0
 
 

@@ -85,7 +85,8 @@ def _print_summary(summary: dict[str, dict[str, float]]) -> None:
 
 
 def run_train_rl(args: argparse.Namespace) -> int:
-    from train.rl_train import TrainConfig, evaluate_artifact, train, write_json_atomic
+    from train.jsonio import write_json
+    from train.rl_train import TrainConfig, evaluate_artifact, train
 
     env = EnvConfig(
         trace=args.trace,
@@ -112,7 +113,7 @@ def run_train_rl(args: argparse.Namespace) -> int:
             print(f"  corr({name}, scale) {c['scale']:+.2f}   corr({name}, tasks) {c['tasks']:+.2f}")
         summary["rl_decisions"] = decisions
         if args.json:
-            write_json_atomic(Path(args.json), {"rows": rows, "summary": summary})
+            write_json(Path(args.json), {"rows": rows, "summary": summary})
         return 0
     cfg = TrainConfig(
         out=args.out,
@@ -140,7 +141,7 @@ def run_train_rl(args: argparse.Namespace) -> int:
     )
     _print_summary(result["summary"])
     if args.json:
-        write_json_atomic(Path(args.json), result)
+        write_json(Path(args.json), result)
     return 0
 
 

@@ -16,7 +16,6 @@ training loads.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -31,6 +30,7 @@ import numpy as np
 from envs.rl_env import EnvConfig, LeaseEnv, Window, eval_windows
 from policies.node_policies import HeuristicPolicy, NodePolicy, SafePrefillPredictor, StaticPolicy
 from policies.rl_policy import LeaseShape, MlpWeights, RLPolicy, save_artifact
+from train.jsonio import write_json
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -252,13 +252,6 @@ def evaluate_artifact(
     return rows, summarise(rows) | {"rl_decisions": decision_statistics(env, windows, rl)}
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    tmp.replace(path)
-
-
 def _build_model(cfg: TrainConfig) -> tuple[Any, Any]:
     """A new PPO model on fresh vector envs, or the checkpoint ``cfg.resume`` with its normalisation."""
     from stable_baselines3 import PPO
@@ -436,7 +429,7 @@ class _Trainer:
 
     def finish(self, artifact: Path, steps: int) -> None:
         payload = {"windows": [dataclasses.asdict(w) for w in self.windows], "history": self.history}
-        write_json_atomic(self.out / "eval.json", payload)
+        write_json(self.out / "eval.json", payload)
         if self.run is not None:
             import wandb
 
@@ -556,5 +549,4 @@ __all__ = [
     "load_predictor_spec",
     "summarise",
     "train",
-    "write_json_atomic",
 ]
