@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from envs.arrivals import sample_sessions
+from envs.arrivals import sample_sessions, subset
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.metrics import SimResult
-from envs.request import Request, Trace
+from envs.request import Trace
 from envs.simulator import simulate
 from envs.traces import load_trace
 
@@ -52,22 +52,10 @@ def head(trace: Trace, n: int | None) -> Trace:
         return trace
     if trace.closed_loop:
         keep = set(trace.session_ids[:n])
-        reqs = [r for r in trace.requests if r.session_id in keep]
+        ids = [r.request_id for r in trace.requests if r.session_id in keep]
     else:
-        reqs = trace.requests[:n]
-    ids = {r.request_id: i for i, r in enumerate(reqs)}
-
-    def remap(r: Request, i: int) -> Request:
-        parent = ids.get(r.parent_id, -1)
-        return dataclasses.replace(
-            r,
-            request_id=i,
-            parent_id=parent,
-            shared_prefix_tokens=r.shared_prefix_tokens if parent >= 0 else 0,
-            depends_on=ids.get(r.depends_on, -1),
-        )
-
-    return dataclasses.replace(trace, requests=[remap(r, i) for i, r in enumerate(reqs)])
+        ids = [r.request_id for r in trace.requests[:n]]
+    return subset(trace, ids, trace.name)
 
 
 @dataclass(frozen=True)
