@@ -49,6 +49,23 @@ class LinearCostModel:
         return self.transfer_s
 
 
+class ConstantPredictor:
+    """An interference model that says the same safe prefill rate for every node state."""
+
+    def __init__(self, tokens_per_s: float) -> None:
+        self.tokens_per_s = tokens_per_s
+
+    def safe_prefill_tokens_per_s(
+        self,
+        decode_batch_size: int,
+        context_tokens_mean: float,
+        context_tokens_std: float,
+        remaining_output_tokens_mean: float,
+        kv_occupancy: float,
+    ) -> float:
+        return self.tokens_per_s
+
+
 def open_trace(rows: Sequence[tuple[float, int, int]], name: str = "tiny") -> Trace:
     """Open-loop trace from (arrival_s, input_tokens, output_tokens) rows, no prefix sharing."""
     reqs = [

@@ -13,6 +13,7 @@ from policies.ledger import LeaseLedger
 from policies.node_policies import HeuristicPolicy, StaticPolicy, UtilisationPolicy
 from policies.node_state import NodeState
 from policies.scheduler import ClusterScheduler, PathQuery
+from tests.fakes import ConstantPredictor
 
 
 class FakeCost:
@@ -23,21 +24,6 @@ class FakeCost:
 
     def kv_transfer_time_s(self, tokens: int) -> float:
         return tokens / 1_000_000
-
-
-class ConstantPredictor:
-    def __init__(self, tokens_per_s: float) -> None:
-        self.tokens_per_s = tokens_per_s
-
-    def safe_prefill_tokens_per_s(
-        self,
-        decode_batch_size: int,
-        context_tokens_mean: float,
-        context_tokens_std: float,
-        remaining_output_tokens_mean: float,
-        kv_occupancy: float,
-    ) -> float:
-        return self.tokens_per_s
 
 
 def calm(node_id: int, **overrides: float) -> NodeState:

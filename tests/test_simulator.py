@@ -12,7 +12,7 @@ from envs.metrics import expand_itl_segments, weighted_quantile
 from envs.prefix_cache import PrefixCache, PrefixIndex
 from envs.request import Request
 from envs.simulator import Simulator, simulate
-from tests.fakes import LinearCostModel, open_trace, session_trace
+from tests.fakes import ConstantPredictor, LinearCostModel, open_trace, session_trace
 
 
 def _cfg(**kw: object) -> ClusterConfig:
@@ -233,14 +233,6 @@ def test_request_larger_than_kv_is_rejected_with_a_reason_and_its_session_goes_o
     assert res.metrics.slo_attainment <= 2 / 3
 
 
-class _ConstantPredictor:
-    def __init__(self, tokens_per_s: float) -> None:
-        self.tokens_per_s = tokens_per_s
-
-    def safe_prefill_tokens_per_s(self, *args: float, **kwargs: float) -> float:
-        return self.tokens_per_s
-
-
 def test_conservation_with_borrowing_and_revocations() -> None:
     """With a lease scheduler, borrowed and fallen-back requests still finish exactly once."""
     from envs.cost_model import CostModel
@@ -254,7 +246,7 @@ def test_conservation_with_borrowing_and_revocations() -> None:
         n_prefill=1, n_decode=3, page_tokens=256, control_interval_s=0.5, max_running_requests=2
     )
     cm = CostModel(cfg.gpu, cfg.model, cfg.tp)
-    policy = HeuristicPolicy(_ConstantPredictor(40_000.0), ttl_s=2.0, max_tasks=2, batch_high_fraction=1.0)
+    policy = HeuristicPolicy(ConstantPredictor(40_000.0), ttl_s=2.0, max_tasks=2, batch_high_fraction=1.0)
     scheduler = ClusterScheduler(policy, LeaseLedger(), cm, control_interval_s=0.5, congestion_wait_s=0.05)
     sim = Simulator(trace, cfg, scheduler=scheduler, cost_model=cm, session_rate_per_s=8.0, seed=5)
     res = sim.run()
