@@ -228,9 +228,7 @@ class Simulator:
         from policies.scheduler import PathQuery  # local: keeps envs importable without a scheduler
 
         assert self.scheduler is not None
-        pw = self._pick_prefill(req)
-        match = pw.cache.match_tokens(req.rid)
-        cached = min(match, req.input - 1)
+        pw, cached = self._pick_prefill(req)
         uncached = req.input - cached
         decode_cached = DecodeCacheMatches(self.decode, req)
         query = PathQuery(
@@ -283,23 +281,29 @@ class Simulator:
             return 0.0
         return self.cm.prefill_time_s(pw.queued_tokens, 0, self.config.prefill_chunk_tokens)
 
-    def _pick_prefill(self, req: ReqState) -> PrefillWorker:
+    def _pick_prefill(self, req: ReqState) -> tuple[PrefillWorker, int]:
+        """The prefill worker for ``req`` and the input tokens it can take from that worker's cache
+        (at most ``input - 1``: the last token is always computed)."""
         workers = self.prefill
         policy = self.config.prefill_routing
         if len(workers) == 1:
-            return workers[0]
-        if policy == "round_robin":
+            chosen = workers[0]
+        elif policy == "round_robin":
             self._rr_prefill = (self._rr_prefill + 1) % len(workers)
-            return workers[self._rr_prefill]
-        least = min(workers, key=lambda w: (w.queued_tokens, w.idx))
-        if policy == "least_load":
-            return least
-        # cache-aware, as sglang-router does it: balance by request count when the pool is skewed
-        # (more than 32 requests apart), otherwise go where the longest prefix is cached.
-        counts = [len(w.queue) for w in workers]
-        if max(counts) - min(counts) > 32:
-            return min(workers, key=lambda w: (len(w.queue), w.queued_tokens, w.idx))
-        return max(workers, key=lambda w: (w.cache.match_tokens(req.rid), -w.queued_tokens, -w.idx))
+            chosen = workers[self._rr_prefill]
+        elif policy == "least_load":
+            chosen = min(workers, key=lambda w: (w.queued_tokens, w.idx))
+        else:
+            # cache-aware, as sglang-router does it: balance by request count when the pool is skewed
+            # (more than 32 requests apart), otherwise go where the longest prefix is cached.
+            counts = [len(w.queue) for w in workers]
+            if max(counts) - min(counts) > 32:
+                chosen = min(workers, key=lambda w: (len(w.queue), w.queued_tokens, w.idx))
+            else:
+                matches = [w.cache.match_tokens(req.rid) for w in workers]
+                best = max(range(len(workers)), key=lambda i: (matches[i], -workers[i].queued_tokens, -i))
+                return workers[best], min(matches[best], req.input - 1)
+        return chosen, min(chosen.cache.match_tokens(req.rid), req.input - 1)
 
     def _pick_decode(self) -> DecodeWorker:
         workers = self.decode
@@ -309,8 +313,7 @@ class Simulator:
         return min(workers, key=lambda w: (len(w.running) + len(w.waiting), w.kv_used + w.kv_reserved, w.idx))
 
     def _route_normal(self, req: ReqState) -> None:
-        pw = self._pick_prefill(req)
-        cached = min(pw.cache.match_tokens(req.rid), req.input - 1)
+        pw, cached = self._pick_prefill(req)
         self._enqueue_prefill(req, pw, req.input - cached)
 
     def _enqueue_prefill(self, req: ReqState, pw: PrefillWorker, uncached_estimate: int) -> None:
