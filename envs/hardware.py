@@ -200,6 +200,10 @@ class ModelSpec:
     sliding_window_layers: int = 0
     sliding_window_tokens: int = 0
     tied_embeddings: bool = False
+    max_context_tokens: int = 131072
+    """Context window: input plus output tokens of one request (the config's
+    ``max_position_embeddings``, or the window the model card states when RoPE scaling extends it).
+    The simulator never serves a request past it (see ``ClusterConfig.context_policy``)."""
     aliases: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -301,6 +305,7 @@ MODELS: dict[str, ModelSpec] = {
             weight_precision="fp4",
             sliding_window_layers=18,
             sliding_window_tokens=128,
+            max_context_tokens=131072,
             aliases=("gpt-oss", "openai/gpt-oss-120b"),
         ),
         # zai-org/GLM-5 (744B total, ~40B active): MLA + DeepSeek-style MoE, served from its FP8 checkpoint.
@@ -327,6 +332,7 @@ MODELS: dict[str, ModelSpec] = {
             kv_lora_rank=512,
             q_lora_rank=2048,
             rope_head_dim=64,
+            max_context_tokens=202752,
             aliases=("glm5", "glm-5.2", "zai-org/glm-5", "zai-org/glm-5-fp8"),
         ),
         # zai-org/GLM-4.5-Air config.json (106B total, 12B active).
@@ -345,6 +351,7 @@ MODELS: dict[str, ModelSpec] = {
             expert_intermediate=1408,
             shared_experts=1,
             dense_layers=1,
+            max_context_tokens=131072,
             aliases=("glm-4.5-air", "zai-org/glm-4.5-air"),
         ),
         ModelSpec(
@@ -357,6 +364,7 @@ MODELS: dict[str, ModelSpec] = {
             intermediate=14336,
             vocab=128256,
             total_params_b=8.03,
+            max_context_tokens=131072,
             aliases=("meta-llama/llama-3.1-8b-instruct", "llama3.1-8b"),
         ),
         ModelSpec(
@@ -369,6 +377,7 @@ MODELS: dict[str, ModelSpec] = {
             intermediate=28672,
             vocab=128256,
             total_params_b=70.6,
+            max_context_tokens=131072,
             aliases=("meta-llama/llama-3.1-70b-instruct", "llama3.1-70b"),
         ),
         ModelSpec(
@@ -384,6 +393,7 @@ MODELS: dict[str, ModelSpec] = {
             experts=128,
             active_experts=8,
             expert_intermediate=768,
+            max_context_tokens=40960,
             aliases=("qwen/qwen3-30b-a3b",),
         ),
         # The shapes Vidur profiled (calibration only).
@@ -397,6 +407,7 @@ MODELS: dict[str, ModelSpec] = {
             intermediate=11008,
             vocab=32000,
             total_params_b=6.74,
+            max_context_tokens=4096,
             aliases=("llama-2-7b",),
         ),
         ModelSpec(
@@ -409,6 +420,7 @@ MODELS: dict[str, ModelSpec] = {
             intermediate=28672,
             vocab=32000,
             total_params_b=69.0,
+            max_context_tokens=4096,
             aliases=("llama-2-70b",),
         ),
         ModelSpec(
@@ -421,6 +433,7 @@ MODELS: dict[str, ModelSpec] = {
             intermediate=22016,
             vocab=32000,
             total_params_b=33.7,
+            max_context_tokens=16384,
             aliases=("codellama-34b",),
         ),
         ModelSpec(
@@ -433,6 +446,7 @@ MODELS: dict[str, ModelSpec] = {
             intermediate=14336,
             vocab=128256,
             total_params_b=8.03,
+            max_context_tokens=8192,
             aliases=("llama-3-8b",),
         ),
         ModelSpec(
@@ -445,6 +459,7 @@ MODELS: dict[str, ModelSpec] = {
             intermediate=28672,
             vocab=128256,
             total_params_b=70.6,
+            max_context_tokens=8192,
             aliases=("llama-3-70b",),
         ),
     )
