@@ -40,7 +40,7 @@ def main() -> None:
             scheduler = None
             if ttl is not None:
                 policy = make_node_policy(
-                    "heuristic", predictor=predictor, itl_target_s=cfg.slo_itl_s, ttl_s=ttl
+                    "heuristic", predictor=predictor, itl_target_s=cfg.slo_tpot_s, ttl_s=ttl
                 )
                 scheduler = ClusterScheduler(
                     policy, LeaseLedger(), cm, control_interval_s=cfg.control_interval_s

@@ -6,8 +6,10 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
-PrefillRouting = Literal["round_robin", "least_load", "cache_aware"]
-DecodeRouting = Literal["round_robin", "least_load"]
+from policies.routing import check_routing_name
+from policies.slo import DEFAULT_CONTROL_INTERVAL_S, DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
+
+ContextPolicy = Literal["compact", "reject"]
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*P\s*(\d+)\s*D\s*$", re.IGNORECASE)
 
@@ -38,28 +40,46 @@ class ClusterConfig:
     n_decode: int = 4
     """Decode workers."""
     prefill_chunk_tokens: int = 8192
-    """Chunked-prefill token budget of one prefill iteration (SGLang --chunked-prefill-size)."""
+    """Chunked-prefill token budget of one prefill iteration (SGLang --chunked-prefill-size); borrowed
+    prefill on a decode node mixes at most this many tokens into one iteration too."""
     max_running_requests: int = 256
     """Decode batch cap per decode worker (SGLang --max-running-requests)."""
-    decode_reserve_ratio: float = 0.5
-    """Share of a request's remaining output reserved in KV at decode admission (SGLang's new-token
-    ratio); when actual growth overruns the reservation the newest request is retracted."""
+    num_reserved_decode_tokens: int = 512
+    """KV tokens a decode worker keeps for each active request's future output when it decides whether
+    a new request may pre-allocate (SGLang --num-reserved-decode-tokens, default 512). Running requests
+    that outgrow the free KV are retracted, newest first."""
     page_tokens: int = 256
-    """Prefix-cache page size in tokens."""
+    """Prefix-cache page size in tokens (also the granularity of the router's approximate tree)."""
     prefill_cache_fraction: float = 1.0
     """Share of a prefill worker's KV capacity usable as prefix cache."""
-    decode_prefix_cache: bool = True
-    """Decode workers keep finished requests' KV as prefix cache in otherwise free KV."""
-    prefill_routing: PrefillRouting = "cache_aware"
-    decode_routing: DecodeRouting = "least_load"
+    decode_prefix_cache: bool = False
+    """Decode workers keep finished requests' KV as a radix prefix cache in otherwise free KV (SGLang
+    --disaggregation-decode-enable-radix-cache; off by default there and here). One setting for every
+    policy of a comparison: with it on, the normal path transfers only the suffix the decode worker
+    lacks, and borrowed prefill on that worker computes only that suffix."""
+    prefill_routing: str = "cache_aware"
+    """Prefill worker selection (``policies.routing``): smg 1.13.0's default ``cache_aware``,
+    ``sglang_router_cache_aware``, ``round_robin``, ``least_load`` or ``power_of_two``."""
+    decode_routing: str = "cache_aware"
+    """Decode worker selection; smg applies its one ``--policy`` (default ``cache_aware``) to both pools."""
+    router_overload_protection: bool = True
+    """The gateway leaves out workers its last load poll saw overloaded (smg 1.13.0's default:
+    ``policies.routing.OverloadProtection``)."""
     kv_transfer_bandwidth_bytes_per_s: float = 50e9
-    """Prefill -> decode KV transfer bandwidth per worker pair."""
+    """KV-transfer link of each worker (one NIC): concurrent transfers through a worker share it."""
     kv_transfer_latency_s: float = 0.002
-    control_interval_s: float = 1.0
+    """Fixed latency of one KV transfer (handshake and completion signal)."""
+    control_interval_s: float = DEFAULT_CONTROL_INTERVAL_S
     """How often decode nodes report ``NodeState`` and leases are refreshed."""
-    slo_ttft_s: float = 5.0
-    slo_itl_s: float = 0.05
-    """Per-request SLO: TTFT within ``slo_ttft_s`` and mean ITL within ``slo_itl_s``."""
+    slo_ttft_s: float = DEFAULT_TTFT_SLO_S
+    slo_tpot_s: float = DEFAULT_TPOT_SLO_S
+    """Per-request SLO: TTFT within ``slo_ttft_s`` and mean inter-token time within ``slo_tpot_s``."""
+    context_policy: ContextPolicy = "compact"
+    """What happens to a request whose input plus output exceeds the model's context window:
+    ``compact`` (default, as an agent harness does: its input is cut to fit the window and its cached
+    prefix is lost) or ``reject`` (refused at arrival with a reason, outside the SLO denominator)."""
+    max_context_tokens: int | None = None
+    """Context window in tokens; ``None`` takes the catalog model's ``max_context_tokens``."""
     max_decode_jump_iters: int = 32
     """At most this many identical-batch decode iterations are simulated as one event (exact
     timing: iteration times are summed analytically; an interrupting event splits the jump)."""
@@ -79,6 +99,15 @@ class ClusterConfig:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    @property
+    def context_window_tokens(self) -> int:
+        """The context window requests must fit (``max_context_tokens`` or the catalog model's)."""
+        if self.max_context_tokens is not None:
+            return self.max_context_tokens
+        from envs.hardware import get_model
+
+        return get_model(self.model).max_context_tokens
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
@@ -86,9 +115,19 @@ class ClusterConfig:
                 raise ValueError(f"ClusterConfig.{f.name} must be non-negative, got {value}")
         if self.n_prefill < 1 or self.n_decode < 1:
             raise ValueError("ClusterConfig needs at least one prefill and one decode worker")
-        if self.prefill_routing not in ("round_robin", "least_load", "cache_aware"):
-            raise ValueError(f"ClusterConfig.prefill_routing: unknown {self.prefill_routing!r}")
-        if self.decode_routing not in ("round_robin", "least_load"):
-            raise ValueError(f"ClusterConfig.decode_routing: unknown {self.decode_routing!r}")
+        check_routing_name("ClusterConfig.prefill_routing", self.prefill_routing)
+        check_routing_name("ClusterConfig.decode_routing", self.decode_routing)
+        if self.context_policy not in ("compact", "reject"):
+            raise ValueError(
+                f"ClusterConfig.context_policy must be 'compact' or 'reject', got {self.context_policy!r}"
+            )
+        if self.max_context_tokens is not None and self.max_context_tokens < 2:
+            raise ValueError(f"ClusterConfig.max_context_tokens must be >= 2, got {self.max_context_tokens}")
+        if not (self.control_interval_s > 0 and self.slo_ttft_s > 0 and self.slo_tpot_s > 0):
+            raise ValueError("ClusterConfig: control_interval_s, slo_ttft_s and slo_tpot_s must be > 0")
+        if self.kv_transfer_bandwidth_bytes_per_s <= 0 or self.max_running_requests < 1:
+            raise ValueError(
+                "ClusterConfig: kv_transfer_bandwidth_bytes_per_s and max_running_requests must be > 0"
+            )
         if self.page_tokens < 1 or self.prefill_chunk_tokens < self.page_tokens:
             raise ValueError("ClusterConfig: need 1 <= page_tokens <= prefill_chunk_tokens")

@@ -51,7 +51,14 @@ class RunMetrics:
     n_requests: int
     n_finished: int
     n_rejected: int
-    """Refused at arrival (e.g. larger than a worker's KV cache); they count as SLO misses."""
+    """Refused at arrival (beyond the context window with ``context_policy="reject"``, or larger than a
+    worker's KV cache); they leave the SLO denominator and are reported here instead."""
+    n_rejected_context: int
+    """Of ``n_rejected``: beyond the model's context window."""
+    n_compacted: int
+    """Requests beyond the context window that were served cut to it (``context_policy="compact"``)."""
+    max_input_tokens_served: int
+    """Largest prompt (after compaction) of a finished request."""
     duration_s: float
     input_tokens_per_s: float
     output_tokens_per_s: float
@@ -64,12 +71,19 @@ class RunMetrics:
     e2e_mean_s: float
     e2e_p50_s: float
     e2e_p99_s: float
+    n_slo_met: int
+    """Finished requests with TTFT <= ``slo_ttft_s`` and mean inter-token time <= ``slo_tpot_s``."""
     slo_attainment: float
+    """``n_slo_met / (n_requests - n_rejected)``: unfinished requests count as misses."""
     prefix_hit_share: float
     borrowed_share: float
     fallback_share: float
     borrowed_prefill_tokens: int
+    lease_granted_prefill_tokens: float
+    """Prefill tokens the decode nodes' leases granted (the ledger's record, not the spender's)."""
     lease_utilisation: float
+    """``borrowed_prefill_tokens / lease_granted_prefill_tokens`` (0 without grants); at most 1 because
+    borrowed prefill is paid from a token bucket the same leases feed."""
     retractions: int
     prefill_utilisation: float
     decode_utilisation: float
@@ -175,11 +189,13 @@ def build_result(sim: Simulator) -> SimResult:
         (done["finish_s"] - done["first_token_s"]) / (done["output_tokens"] - 1).clip(lower=1),
         0.0,
     )
-    slo_ok = (ttft <= cfg.slo_ttft_s) & (per_req_itl <= cfg.slo_itl_s)
+    slo_ok = (ttft <= cfg.slo_ttft_s) & (per_req_itl <= cfg.slo_tpot_s)
     n_rejected = int((df["error"] != "").sum())
+    n_eligible = len(sim.reqs) - n_rejected
     paths = np.array([r.path for r in reqs])
     borrowed_tokens = sum(w.borrowed_tokens_total for w in sim.decode)
-    lease_offered = sum(rate * cfg.control_interval_s for _, _, rate, _, _ in sim.node_timeline)
+    granted = float(sum(sim.granted_prefill_tokens()))
+    compacted = sim.context_fit.n_over_window if sim.context_fit.policy == "compact" else 0
     busy_p = [w.busy_s / duration for w in sim.prefill]
     busy_d = [w.busy_s / duration for w in sim.decode]
     q = np.quantile
@@ -188,6 +204,9 @@ def build_result(sim: Simulator) -> SimResult:
         n_requests=len(sim.reqs),
         n_finished=len(done),
         n_rejected=n_rejected,
+        n_rejected_context=sim.rejected_context,
+        n_compacted=compacted,
+        max_input_tokens_served=int(done["input_tokens"].max()) if len(done) else 0,
         duration_s=duration,
         input_tokens_per_s=float(done["input_tokens"].sum()) / duration,
         output_tokens_per_s=float(done["output_tokens"].sum()) / duration,
@@ -200,14 +219,14 @@ def build_result(sim: Simulator) -> SimResult:
         e2e_mean_s=float(e2e.mean()) if len(e2e) else math.nan,
         e2e_p50_s=float(q(e2e, 0.5)) if len(e2e) else math.nan,
         e2e_p99_s=float(q(e2e, 0.99)) if len(e2e) else math.nan,
-        slo_attainment=float(slo_ok.sum() / (len(slo_ok) + n_rejected))
-        if len(slo_ok) + n_rejected
-        else math.nan,
+        n_slo_met=int(slo_ok.sum()),
+        slo_attainment=float(slo_ok.sum() / n_eligible) if n_eligible > 0 else math.nan,
         prefix_hit_share=float(df["cached_tokens"].sum() / max(1, df["input_tokens"].sum())),
         borrowed_share=float((paths == BORROWED).mean()) if len(paths) else 0.0,
         fallback_share=float((paths == FALLBACK).mean()) if len(paths) else 0.0,
         borrowed_prefill_tokens=int(borrowed_tokens),
-        lease_utilisation=float(borrowed_tokens / lease_offered) if lease_offered > 0 else 0.0,
+        lease_granted_prefill_tokens=granted,
+        lease_utilisation=float(borrowed_tokens / granted) if granted > 0 else 0.0,
         retractions=int(df["retractions"].sum()),
         prefill_utilisation=float(np.mean(busy_p)),
         decode_utilisation=float(np.mean(busy_d)),

@@ -19,6 +19,7 @@ import numpy as np
 from envs.arrivals import sample_sessions, split_sessions, subset
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
+from envs.estimator import ClusterEstimator
 from envs.request import Trace
 from envs.simulator import Counters, Simulator
 from envs.traces import load_trace
@@ -37,6 +38,7 @@ from policies.rl_policy import (
     predict_safe,
 )
 from policies.scheduler import ClusterScheduler
+from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
 _OBSERVE_BEFORE_TICK_S = 1e-6
 """Observations are taken this long before a control tick, so the tick applies the action chosen
@@ -105,7 +107,7 @@ class EnvConfig:
     gpu: str = "H200"
     model: str = "gpt-oss-120b"
     tp: int = 1
-    control_interval_s: float = 0.5
+    control_interval_s: float = DEFAULT_CONTROL_INTERVAL_S
     n_sessions: int = 48
     """Closed-loop traces: sessions sampled into one episode's window."""
     base_session_rate_per_s: float = 0.05
@@ -349,7 +351,10 @@ class LeaseEnv(gym.Env[np.ndarray, np.ndarray]):
     def _start(self, window: Window, policy: _EnvNodePolicy) -> Simulator:
         """A fresh simulator for ``window`` driven by ``policy``, run through its warm-up with no lending."""
         scheduler = ClusterScheduler(
-            policy, LeaseLedger(), self.cost_model, control_interval_s=self.config.control_interval_s
+            policy,
+            LeaseLedger(),
+            ClusterEstimator(self.cluster, self.cost_model),
+            control_interval_s=self.config.control_interval_s,
         )
         sim = Simulator(
             self._window_trace(window),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from envs.prefix_cache import PrefixCache
 from envs.request import Request
+from policies.admission import LeaseTokenBucket
 
 NORMAL, BORROWED, FALLBACK = 0, 1, 2
 PATH_NAMES = ("normal", "borrowed", "fallback")
@@ -23,8 +24,10 @@ class ReqState:
 
     __slots__ = (
         "arrival_s",
+        "bootstrapped",
         "cached",
         "context",
+        "d_cached",
         "decode_worker",
         "done",
         "error",
@@ -33,6 +36,7 @@ class ReqState:
         "generated",
         "has_kv",
         "input",
+        "kv_held",
         "last_token_s",
         "needs_recompute",
         "output",
@@ -41,9 +45,9 @@ class ReqState:
         "pull",
         "queued_estimate",
         "reservation",
-        "reserve_left",
         "retractions",
         "rid",
+        "sent_upto",
         "started",
     )
 
@@ -56,11 +60,22 @@ class ReqState:
         self.finish_s = math.nan
         self.last_token_s = math.nan
         self.cached = 0
+        """Input tokens taken from a prefix cache instead of computed (prefill worker's, or the decode
+        node's plus any pulled prefix on the borrowed path)."""
         self.done = 0
+        """Input tokens whose KV exists on the prefilling worker (cached + computed)."""
         self.started = False
+        self.bootstrapped = False
+        """Normal path: the decode worker pre-allocated its KV, so the prefill worker may run it."""
+        self.d_cached = 0
+        """Normal path: leading input tokens the decode worker already holds (its radix cache)."""
+        self.sent_upto = 0
+        """Normal path: input positions whose KV the prefill worker has sent (or found on the decode)."""
         self.generated = 0
         self.context = 0
-        self.reserve_left = 0
+        """KV context on the decode worker that decode attention reads (input + generated)."""
+        self.kv_held = 0
+        """KV tokens allocated privately to this request on its decode worker."""
         self.has_kv = False
         self.needs_recompute = False
         self.retractions = 0
@@ -86,17 +101,18 @@ class Counters:
     ttft_slo_misses: int = 0
     """Requests whose first token came later than ``slo_ttft_s`` after arrival."""
     itl_slo_miss_tokens: int = 0
-    """Tokens produced by iterations slower than ``slo_itl_s``."""
+    """Tokens produced by iterations slower than ``slo_tpot_s``."""
     fallbacks: int = 0
     """Borrowed requests sent back to the normal path before their first token."""
     finished: int = 0
     rejected: int = 0
-    """Requests refused at arrival (they could never fit a worker's KV cache)."""
+    """Requests refused at arrival (beyond the context window, or larger than a worker's KV)."""
 
 
 @dataclass
 class PrefillWorker:
-    """A prefill worker: FCFS queue, prefix cache, the chunks of the iteration in flight."""
+    """A prefill worker: FCFS queue (requests run once their decode worker pre-allocated), prefix
+    cache, the chunks of the iteration in flight, and its KV-transfer link."""
 
     idx: int
     cache: PrefixCache
@@ -106,24 +122,41 @@ class PrefillWorker:
     busy: bool = False
     busy_s: float = 0.0
     batch: list[tuple[ReqState, int]] = field(default_factory=list)
+    link_free_s: float = 0.0
+    """When this worker's KV-transfer link finishes the transfers already queued on it."""
 
 
 @dataclass
 class DecodeWorker:
-    """A decode worker: waiting and running requests, borrowed prefill tasks, KV accounting, and the
-    iteration (or jump of identical iterations) in flight."""
+    """A decode worker: pre-allocation queue, waiting and running requests, borrowed prefill tasks,
+    KV accounting, its lease's token bucket, and the iteration (or jump of identical iterations) in
+    flight."""
 
     idx: int
     cache: PrefixCache | None
     capacity_tokens: int
+    bucket: LeaseTokenBucket
+    prealloc: deque[ReqState] = field(default_factory=deque)
+    """Dispatched requests waiting for KV room before their prefill may start (SGLang's
+    DecodePreallocQueue)."""
     waiting: deque[ReqState] = field(default_factory=deque)
+    """Requests whose KV is here (transferred, or borrowed and prefilled), waiting for a running slot."""
+    retracted: deque[ReqState] = field(default_factory=deque)
+    """Requests retracted for lack of KV, waiting to take their KV back (they resume first)."""
     running: list[ReqState] = field(default_factory=list)
     borrowed: deque[ReqState] = field(default_factory=deque)
     kv_used: int = 0
-    kv_reserved: int = 0
+    """KV tokens allocated to requests (pre-allocated inputs included); the prefix cache lives in the rest."""
+    n_active: int = 0
+    """Requests holding KV here (transferring, waiting with KV, running, borrowed and started); each
+    keeps ``num_reserved_decode_tokens`` in reserve at pre-allocation."""
+    retracted_tokens: int = 0
+    """KV the retracted requests waiting here need to resume (held back from pre-allocation)."""
     busy: bool = False
     busy_s: float = 0.0
     generation: int = 0
+    link_free_s: float = 0.0
+    wake_pending: bool = False
     # current iteration (or jump of identical iterations)
     iter_start_s: float = 0.0
     iter_t0_s: float = 0.0
@@ -137,7 +170,7 @@ class DecodeWorker:
     step_count: int = 0
     iter_decode_only_s: float = 0.0
     borrowed_tokens_total: int = 0
-    lease_prefill_tokens_per_s: float = 0.0
+    """Borrowed prefill tokens executed on this node (spent from its token bucket)."""
 
 
 class DecodeCacheMatches(Mapping[int, int]):

@@ -1,23 +1,36 @@
 """Discrete-event, iteration-level simulator of a prefill/decode-disaggregated cluster.
 
-What it models (SGLang's PD mode, one event per forward iteration):
+What it models (SGLang 0.5.23's PD mode behind smg 1.13.0, one event per forward iteration):
 
-* **Prefill workers**: FCFS queue, chunked prefill under a token budget per iteration, an LRU prefix
-  cache per worker (hits reduce the tokens computed; at least one token is always computed), then a
-  KV transfer of the whole input to the request's decode worker.
-* **Decode workers**: continuous batching up to ``max_running_requests``; admission when free KV
-  covers the context plus a reservation for part of the remaining output; retraction of the newest
-  request when KV runs out (it re-prefills its context locally when re-admitted); a prefix cache of
-  finished requests in otherwise free KV. The first output token is emitted at admission (the prefill
-  worker computed it), the others one per iteration.
-* **Borrowed prefill** (Crossflow): a request the scheduler sends to a decode node is prefilled
-  there in chunks mixed into decode iterations, bounded by the node's lease, paused while decode
-  waits for room (decode always wins), and sent back to the normal path if its reservation is
-  revoked before it starts.
+* **Routing** (``policies.routing``, the same rules the HTTP router runs): the gateway dispatches
+  each request to a prefill worker P and a decode worker D at arrival (dual dispatch); by default
+  both pools use smg's ``cache_aware`` over the gateway's approximate prefix tree and its in-flight
+  request counts (a request counts on P until P answers after its KV transfer, and on D until it
+  finishes).
+* **Decode pre-allocation**: D takes KV for the request's input (less what its radix cache already
+  holds, when the decode prefix cache is on) once that fits beside ``num_reserved_decode_tokens`` for
+  each of its active requests, the KV lease reservations hold, and what retracted requests need
+  (``policies.admission.prealloc_fits``). Until then P holds the request: it runs FCFS among the
+  requests whose D pre-allocated.
+* **Prefill workers**: chunked prefill under a token budget per iteration and an LRU prefix cache per
+  worker (hits reduce the tokens computed; at least one token is always computed). Each chunk's KV is
+  sent as soon as the chunk is computed, over P's link and D's link (one NIC per worker; transfers
+  through a worker queue behind each other), so the transfer overlaps the rest of the prefill.
+* **Decode workers**: continuous batching up to ``max_running_requests``; a request whose KV arrived
+  joins the batch and emits its first token (P computed it); running requests grow one token per
+  iteration and the newest is retracted when KV runs out (it re-prefills its context locally when
+  re-admitted); a prefix cache of finished requests in otherwise free KV when the cluster enables it.
+* **Borrowed prefill** (Crossflow): a request the scheduler sends to a decode node is prefilled there
+  in chunks mixed into decode iterations. The tokens each iteration may take come from the node's
+  ``LeaseTokenBucket``, which its live lease feeds (zero lease, zero borrowed work). A task not yet
+  started waits while decode waits for room (decode always wins), re-checks with the scheduler, and
+  falls back to the normal path if its reservation is revoked before it starts.
+* **Context windows**: requests beyond the model's window are compacted (``envs.context``) or
+  rejected at arrival, per ``ClusterConfig.context_policy``.
 
 Hooks: every ``control_interval_s`` each decode node reports a ``NodeState`` to the scheduler
-(``on_control_interval``), and every arriving request's prefill path is chosen by
-``scheduler.choose_path``. Without a scheduler every request takes the normal path (static PD).
+(``on_control_interval``), and every arriving request's path is chosen by ``scheduler.choose_path``.
+Without a scheduler every request takes the normal path (static PD).
 
 Identical decode iterations are simulated as one event of up to ``max_decode_jump_iters``
 iterations: per-iteration time is linear in the summed context, so the jump's token times are exact,
@@ -28,14 +41,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from envs.arrivals import curve_session_starts, poisson_session_starts
 from envs.cluster_config import ClusterConfig
+from envs.context import fit_context_window
 from envs.cost_model import CostModel
+from envs.estimator import ClusterEstimator
 from envs.metrics import SimResult, build_result
 from envs.prefix_cache import PrefixCache, PrefixIndex
 from envs.request import Trace
@@ -49,10 +64,15 @@ from envs.sim_state import (
     ReqState,
     iteration_boundary,
 )
+from policies.admission import LeaseTokenBucket, borrowed_chunk_tokens, prealloc_fits
 from policies.node_state import NodeState
+from policies.routing import OverloadProtection, WorkerPool, make_routing_policy
 
 # Event kinds, in tie-break priority order at equal times.
-_EV_TRANSFER, _EV_PREFILL, _EV_DECODE, _EV_BORROW, _EV_RELEASE, _EV_TICK = range(6)
+_EV_TRANSFER, _EV_PREFILL, _EV_DECODE, _EV_BORROW, _EV_WAKE, _EV_RELEASE, _EV_TICK = range(7)
+
+ROUTER_CHARS_PER_TOKEN = 4
+"""smg's HTTP tree counts characters; its ``max_tree_size`` is converted to tokens at this ratio."""
 
 
 class SchedulerHooks(Protocol):
@@ -72,6 +92,14 @@ class SchedulerHooks(Protocol):
 
     def on_request_finished(self, reservation_id: int) -> Any: ...
 
+    def lease_rate(self, node_id: int) -> tuple[float, float]: ...
+
+    def unstarted_kv_tokens(self, node_id: int, exclude: int | None = None) -> int: ...
+
+    def pull_tokens(self, reservation_id: int) -> int: ...
+
+    def granted_prefill_tokens(self, node_id: int, now_s: float) -> float: ...
+
 
 class Simulator:
     """One run of a trace through one cluster. Use :func:`simulate` unless you step it yourself."""
@@ -89,35 +117,57 @@ class Simulator:
         max_time_s: float = math.inf,
         session_rate_curve: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        if load_factor <= 0:
-            raise ValueError(f"load_factor must be positive, got {load_factor}")
-        self.trace = trace
+        if not (load_factor > 0 and math.isfinite(load_factor)):
+            raise ValueError(f"load_factor must be positive and finite, got {load_factor}")
+        self.trace, self.context_fit = fit_context_window(
+            trace, config.context_window_tokens, config.context_policy
+        )
         self.config = config
         self.scheduler = scheduler
         self.cm = cost_model or CostModel(config.gpu, config.model, config.tp)
+        self.estimator = ClusterEstimator(config, self.cm)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        self._route_rng = np.random.default_rng([abs(seed), 0x5EED])
         self.max_time_s = max_time_s
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
-        self.reqs = [ReqState(r) for r in trace.requests]
+        self.reqs = [ReqState(r) for r in self.trace.requests]
+        self._session = [r.session_id for r in self.trace.requests]
         self._children: dict[int, list[int]] = {}
-        self.index = PrefixIndex(trace.requests, config.page_tokens)
-        cap_pages = int(self.cm.kv_capacity_tokens * config.prefill_cache_fraction) // config.page_tokens
+        self._reject_over_window = config.context_policy == "reject"
+        page = config.page_tokens
+        self.index = PrefixIndex(self.trace.requests, page)
+        cap_pages = int(self.cm.kv_capacity_tokens * config.prefill_cache_fraction) // page
         self.prefill = [PrefillWorker(i, PrefixCache(self.index, cap_pages)) for i in range(config.n_prefill)]
         self.decode = [
             DecodeWorker(
                 i,
                 PrefixCache(self.index, 0) if config.decode_prefix_cache else None,
                 self.cm.kv_capacity_tokens,
+                LeaseTokenBucket(burst_s=config.control_interval_s),
             )
             for i in range(config.n_decode)
         ]
-        self._rr_prefill = 0
-        self._rr_decode = 0
+        self._kv_bytes_per_token = float(self.cm.kv_transfer_bytes_per_token)
+        # The gateway's view: in-flight counts, routing rules and approximate prefix trees per pool.
+        self.prefill_pool = WorkerPool(config.n_prefill)
+        self.decode_pool = WorkerPool(config.n_decode)
+        self._prefill_router = make_routing_policy(config.prefill_routing)
+        self._decode_router = make_routing_policy(config.decode_routing)
+        tree_tokens = (2**26) // ROUTER_CHARS_PER_TOKEN
+        self._prefill_tree = [
+            PrefixCache(self.index, tree_tokens // config.n_prefill // page) for _ in range(config.n_prefill)
+        ]
+        self._decode_tree = [
+            PrefixCache(self.index, tree_tokens // config.n_decode // page) for _ in range(config.n_decode)
+        ]
+        self._overload = OverloadProtection() if config.router_overload_protection else None
+        self._next_load_poll_s = 0.0
         self.finished = 0
         self.counters = Counters()
+        self.rejected_context = 0
         self.itl_segments: list[tuple[float, float, int, int]] = []
         self.node_timeline: list[tuple[float, int, float, int, int]] = []
         self._tick_pending = False
@@ -187,6 +237,8 @@ class Simulator:
                 self._on_arrival(a)
             elif kind == _EV_BORROW:
                 self._on_borrow_arrival(a)
+            elif kind == _EV_WAKE:
+                self._on_wake(a)
             else:
                 self._on_tick()
             if progress is not None and self.finished - last_reported >= 256:
@@ -206,10 +258,19 @@ class Simulator:
     def _on_arrival(self, rid: int) -> None:
         req = self.reqs[rid]
         req.arrival_s = self.now_s
-        if req.input + req.output > self.cm.kv_capacity_tokens:
+        if self._reject_over_window and rid in self.context_fit.over_window:
+            self.rejected_context += 1
             self._reject(
                 req,
-                f"input + output = {req.input + req.output} tokens exceed a worker's KV capacity "
+                f"input + output = {req.input + req.output} tokens exceed the model's context window "
+                f"({self.context_fit.window_tokens} tokens)",
+            )
+            return
+        need = req.input + req.output + self.config.num_reserved_decode_tokens
+        if need > self.cm.kv_capacity_tokens:
+            self._reject(
+                req,
+                f"input + output + reserved decode tokens = {need} exceed a worker's KV capacity "
                 f"({self.cm.kv_capacity_tokens} tokens)",
             )
             return
@@ -218,44 +279,49 @@ class Simulator:
                 interval = self.config.control_interval_s
                 self._tick_pending = True
                 self._push(math.ceil(self.now_s / interval) * interval, _EV_TICK, 0, 0)
-            decision = self._choose_path(req)
-            if decision is not None:
-                return
-        self._route_normal(req)
+            self._choose_path(req)
+            return
+        pidx, _ = self._pick_prefill(req)
+        self._dispatch_normal(req, pidx)
 
-    def _choose_path(self, req: ReqState) -> Any:
-        """Ask the scheduler; on 'borrow' hand the task to the node and return the decision."""
+    def _choose_path(self, req: ReqState) -> None:
+        """Ask the scheduler which path ``req`` takes and dispatch it there."""
         from policies.scheduler import PathQuery  # local: keeps envs importable without a scheduler
 
         assert self.scheduler is not None
-        pw, cached = self._pick_prefill(req)
+        pidx, cached = self._pick_prefill(req)
         uncached = req.input - cached
-        decode_cached = DecodeCacheMatches(self.decode, req)
+        decode_cached: Mapping[int, int] = (
+            DecodeCacheMatches(self.decode, req) if self.config.decode_prefix_cache else {}
+        )
         query = PathQuery(
             request_id=req.rid,
-            session_id=self.trace.requests[req.rid].session_id,
+            session_id=self._session[req.rid],
             input_tokens=req.input,
             expected_output_tokens=req.output,
             normal_uncached_tokens=uncached,
-            normal_queue_wait_s=self._prefill_queue_wait_s(pw),
-            normal_prefill_worker=pw.idx,
+            normal_queue_wait_s=self.estimator.queue_wait_s(self.prefill[pidx].queued_tokens),
+            normal_prefill_worker=pidx,
             decode_cached_tokens=decode_cached,
             prefill_cached_tokens=cached,
         )
         decision = self.scheduler.choose_path(query, self.now_s)
         if decision.path != "borrow":
-            self._enqueue_prefill(req, pw, uncached)
-            return decision
+            self._dispatch_normal(req, pidx)
+            return
         req.path = BORROWED
         req.reservation = decision.reservation_id
         req.decode_worker = decision.node_id
-        held = getattr(getattr(self.scheduler, "ledger", None), "held_by", None)
-        req.pull = int(held(req.reservation).transfer_tokens) if held is not None else 0
+        req.prefill_worker = pidx
+        self.decode_pool.dispatched(decision.node_id)
+        self._decode_tree[decision.node_id].insert(req.rid)
+        req.pull = self.scheduler.pull_tokens(req.reservation)
+        w = self.decode[req.decode_worker]
         if req.pull > 0:  # the node first pulls the prefix cached on the prefill worker
-            self._push(self.now_s + self._transfer_time_s(req.pull), _EV_BORROW, req.rid, 0)
+            done_s = self._link_transfer(self.prefill[pidx], w, req.pull)
+            self._push(done_s, _EV_BORROW, req.rid, 0)
         else:
             self._on_borrow_arrival(req.rid)
-        return decision
 
     def _on_borrow_arrival(self, rid: int) -> None:
         """A borrowed task reaches its node, which re-checks its state before accepting it."""
@@ -269,73 +335,127 @@ class Simulator:
             w.borrowed.append(req)
             self._kick_decode(w)
 
-    def _transfer_time_s(self, tokens: int) -> float:
-        return self.cm.kv_transfer_time_s(
-            tokens,
-            bandwidth_bytes_per_s=self.config.kv_transfer_bandwidth_bytes_per_s,
-            latency_s=self.config.kv_transfer_latency_s,
+    def _poll_loads(self) -> None:
+        """The gateway's load poll: refresh both pools' overload flags once per monitor interval (at
+        the first routing decision of the interval, from the workers' state at that moment)."""
+        if self._overload is None or self.now_s < self._next_load_poll_s:
+            return
+        rule = self._overload
+        interval = rule.load_monitor_interval_s
+        self._next_load_poll_s = (math.floor(self.now_s / interval) + 1) * interval
+        for pw in self.prefill:
+            waiting = sum(1 for r in pw.queue if not r.started)
+            held = sum(r.done for r in pw.queue if r.started)
+            usage = held / self.cm.kv_capacity_tokens
+            self.prefill_pool.overloaded[pw.idx] = rule.is_overloaded(waiting, usage)
+        for w in self.decode:
+            self.decode_pool.overloaded[w.idx] = rule.is_overloaded(
+                len(w.prealloc) + len(w.waiting) + len(w.retracted), w.kv_used / w.capacity_tokens
+            )
+
+    def _pick_prefill(self, req: ReqState) -> tuple[int, int]:
+        """The prefill worker the gateway picks for ``req`` and the input tokens its approximate tree
+        says that worker holds (at most ``input - 1``: the last token is always computed)."""
+        self._poll_loads()
+        tree = self._prefill_tree
+        rid = req.rid
+        idx = self._prefill_router.choose(
+            self.prefill_pool,
+            req.input,
+            lambda i: tree[i].match_tokens(rid),
+            self._route_rng,
+            lambda i: tree[i].used_pages * self.config.page_tokens,
+        )
+        return idx, min(tree[idx].match_tokens(rid), req.input - 1)
+
+    def _pick_decode(self, req: ReqState) -> int:
+        tree = self._decode_tree
+        rid = req.rid
+        return self._decode_router.choose(
+            self.decode_pool,
+            req.input,
+            lambda i: tree[i].match_tokens(rid),
+            self._route_rng,
+            lambda i: tree[i].used_pages * self.config.page_tokens,
         )
 
-    def _prefill_queue_wait_s(self, pw: PrefillWorker) -> float:
-        if pw.queued_tokens <= 0:
-            return 0.0
-        return self.cm.prefill_time_s(pw.queued_tokens, 0, self.config.prefill_chunk_tokens)
-
-    def _pick_prefill(self, req: ReqState) -> tuple[PrefillWorker, int]:
-        """The prefill worker for ``req`` and the input tokens it can take from that worker's cache
-        (at most ``input - 1``: the last token is always computed)."""
-        workers = self.prefill
-        policy = self.config.prefill_routing
-        if len(workers) == 1:
-            chosen = workers[0]
-        elif policy == "round_robin":
-            self._rr_prefill = (self._rr_prefill + 1) % len(workers)
-            chosen = workers[self._rr_prefill]
-        elif policy == "least_load":
-            chosen = min(workers, key=lambda w: (w.queued_tokens, w.idx))
-        else:
-            # cache-aware, as sglang-router does it: balance by request count when the pool is skewed
-            # (more than 32 requests apart), otherwise go where the longest prefix is cached.
-            counts = [len(w.queue) for w in workers]
-            if max(counts) - min(counts) > 32:
-                chosen = min(workers, key=lambda w: (len(w.queue), w.queued_tokens, w.idx))
-            else:
-                matches = [w.cache.match_tokens(req.rid) for w in workers]
-                best = max(range(len(workers)), key=lambda i: (matches[i], -workers[i].queued_tokens, -i))
-                return workers[best], min(matches[best], req.input - 1)
-        return chosen, min(chosen.cache.match_tokens(req.rid), req.input - 1)
-
-    def _pick_decode(self) -> DecodeWorker:
-        workers = self.decode
-        if self.config.decode_routing == "round_robin":
-            self._rr_decode = (self._rr_decode + 1) % len(workers)
-            return workers[self._rr_decode]
-        return min(workers, key=lambda w: (len(w.running) + len(w.waiting), w.kv_used + w.kv_reserved, w.idx))
-
-    def _route_normal(self, req: ReqState) -> None:
-        pw, cached = self._pick_prefill(req)
-        self._enqueue_prefill(req, pw, req.input - cached)
-
-    def _enqueue_prefill(self, req: ReqState, pw: PrefillWorker, uncached_estimate: int) -> None:
-        req.prefill_worker = pw.idx
-        if req.decode_worker < 0 or req.path == FALLBACK:
-            req.decode_worker = self._pick_decode().idx
+    def _dispatch_normal(self, req: ReqState, pidx: int) -> None:
+        """Dual dispatch: the request joins P's queue and D's pre-allocation queue at once."""
+        didx = self._pick_decode(req)
+        self.prefill_pool.dispatched(pidx)
+        self.decode_pool.dispatched(didx)
+        self._prefill_tree[pidx].insert(req.rid)
+        self._decode_tree[didx].insert(req.rid)
+        pw, w = self.prefill[pidx], self.decode[didx]
+        req.prefill_worker, req.decode_worker = pidx, didx
+        req.queued_estimate = req.input - min(pw.cache.match_tokens(req.rid), req.input - 1)
+        pw.queued_tokens += req.queued_estimate
         pw.queue.append(req)
-        req.queued_estimate = uncached_estimate
-        pw.queued_tokens += uncached_estimate
-        if not pw.busy:
-            self._start_prefill_iteration(pw)
+        w.prealloc.append(req)
+        self._try_prealloc(w)
 
     def _fallback(self, req: ReqState) -> None:
         """A borrowed request that will not start on its node goes back to the normal path."""
         if self.scheduler is not None and req.reservation >= 0:
             self.scheduler.on_fallback(req.reservation)
         self.counters.fallbacks += 1
+        self.decode_pool.finished(req.decode_worker)
         req.path = FALLBACK
         req.reservation = -1
         req.pull = 0
         req.decode_worker = -1
-        self._route_normal(req)
+        pidx, _ = self._pick_prefill(req)
+        self._dispatch_normal(req, pidx)
+
+    def _link_transfer(self, src: PrefillWorker, dst: DecodeWorker, tokens: int) -> float:
+        """Queue a KV transfer of ``tokens`` tokens on both workers' links; returns when it lands."""
+        latency = self.config.kv_transfer_latency_s
+        if tokens <= 0:
+            return self.now_s + latency
+        start = max(self.now_s, src.link_free_s, dst.link_free_s)
+        end = start + tokens * self._kv_bytes_per_token / self.config.kv_transfer_bandwidth_bytes_per_s
+        src.link_free_s = dst.link_free_s = end
+        return end + latency
+
+    # ---------------------------------------------------------------- decode pre-allocation
+    def _lease_reserved_kv(self, w: DecodeWorker, exclude: int | None = None) -> int:
+        if self.scheduler is None:
+            return 0
+        return self.scheduler.unstarted_kv_tokens(w.idx, exclude)
+
+    def _kv_fits(self, w: DecodeWorker, need: int, exclude_reservation: int | None = None) -> bool:
+        """``need`` more KV may be allocated on ``w`` under SGLang's pre-allocation rule (evicting
+        decode prefix cache if it must)."""
+        ok = prealloc_fits(
+            free_tokens=w.capacity_tokens - w.kv_used,
+            active_requests=w.n_active,
+            need_tokens=need,
+            reserved_decode_tokens=self.config.num_reserved_decode_tokens,
+            lease_reserved_kv_tokens=self._lease_reserved_kv(w, exclude_reservation),
+            retracted_tokens=w.retracted_tokens,
+        )
+        if ok:
+            self._make_room(w, need)
+        return ok
+
+    def _try_prealloc(self, w: DecodeWorker) -> None:
+        """Pre-allocate KV for the requests queued on ``w`` (FIFO) and release them to their prefill."""
+        while w.prealloc:
+            req = w.prealloc[0]
+            d_cached = min(w.cache.match_tokens(req.rid, touch=True), req.input - 1) if w.cache else 0
+            need = req.input - d_cached
+            if not self._kv_fits(w, need):
+                return
+            w.prealloc.popleft()
+            req.d_cached = d_cached
+            req.kv_held = need
+            req.context = req.input
+            w.kv_used += need
+            w.n_active += 1
+            req.bootstrapped = True
+            pw = self.prefill[req.prefill_worker]
+            if not pw.busy:
+                self._start_prefill_iteration(pw)
 
     # ---------------------------------------------------------------- prefill workers
     def _start_prefill_iteration(self, pw: PrefillWorker) -> None:
@@ -345,6 +465,8 @@ class Simulator:
         for req in pw.queue:
             if budget <= 0:
                 break
+            if not req.bootstrapped:
+                continue
             if not req.started:
                 req.started = True
                 req.cached = min(pw.cache.match_tokens(req.rid, touch=True), req.input - 1)
@@ -370,17 +492,22 @@ class Simulator:
             req.done += take
             self.counters.prefill_tokens += take
             pw.queued_tokens -= take
+            # this chunk's KV (and, with the first chunk, the cached prefix) goes to D now
+            lo = max(req.sent_upto, req.d_cached)
+            landed_s = self._link_transfer(pw, self.decode[req.decode_worker], max(0, req.done - lo))
+            req.sent_upto = req.done
             if req.done >= req.input:
                 pw.queue.remove(req)
                 pw.cache.insert(req.rid)
-                self._push(self.now_s + self._transfer_time_s(req.input), _EV_TRANSFER, req.rid, 0)
+                self._push(landed_s, _EV_TRANSFER, req.rid, 0)
         pw.batch = []
         self._start_prefill_iteration(pw)
 
     def _on_transfer_done(self, rid: int) -> None:
         req = self.reqs[rid]
+        self.prefill_pool.finished(req.prefill_worker)
         w = self.decode[req.decode_worker]
-        req.has_kv = False
+        req.has_kv = True
         w.waiting.append(req)
         self._kick_decode(w)
 
@@ -399,34 +526,41 @@ class Simulator:
             end = w.iter_start_s + j * w.iter_t0_s + w.iter_dt_s * j * (j - 1) / 2
             self._push(end, _EV_DECODE, w.idx, w.generation)
 
-    def _kv_free(self, w: DecodeWorker) -> int:
-        return w.capacity_tokens - w.kv_used - w.kv_reserved
+    def _on_wake(self, idx: int) -> None:
+        w = self.decode[idx]
+        w.wake_pending = False
+        if not w.busy:
+            self._start_decode_iteration(w)
 
     def _make_room(self, w: DecodeWorker, tokens: int) -> bool:
         """Evict decode-side prefix cache if needed; True when ``tokens`` more KV fit."""
-        free = self._kv_free(w)
+        free = w.capacity_tokens - w.kv_used
         if w.cache is not None:
-            cache_tokens = w.cache.used_pages * self.config.page_tokens
-            if free - cache_tokens < tokens:
-                w.cache.evict_to(max(0, (free - tokens) // self.config.page_tokens))
+            page = self.config.page_tokens
+            if free - w.cache.used_pages * page < tokens:
+                w.cache.evict_to(max(0, (free - tokens) // page))
         return free >= tokens
 
     def _admit(self, w: DecodeWorker) -> None:
-        cfg = self.config
-        while w.waiting and len(w.running) < cfg.max_running_requests:
-            req = w.waiting[0]
-            remaining = req.output - max(req.generated, 1)
-            reserve = math.ceil(cfg.decode_reserve_ratio * remaining)
-            need = reserve + (0 if req.has_kv else req.input + req.generated)
-            if not self._make_room(w, need):
+        """Fill free running slots: retracted requests first (once their KV fits again, as SGLang
+        resumes them), then requests whose KV is here."""
+        cap = self.config.max_running_requests
+        while w.retracted and len(w.running) < cap:
+            req = w.retracted[0]
+            need = req.input + req.generated
+            w.retracted_tokens -= need
+            if not self._kv_fits(w, need):
+                w.retracted_tokens += need
                 break
-            w.waiting.popleft()
-            if not req.has_kv:
-                req.context = req.input + req.generated
-                w.kv_used += req.context
-                req.has_kv = True
-            req.reserve_left = reserve
-            w.kv_reserved += reserve
+            w.retracted.popleft()
+            req.context = need
+            req.kv_held = need
+            w.kv_used += need
+            w.n_active += 1
+            req.has_kv = True
+            w.running.append(req)
+        while w.waiting and len(w.running) < cap:
+            req = w.waiting.popleft()
             w.running.append(req)
             if req.generated == 0:
                 self._emit_first_token(req)
@@ -447,30 +581,39 @@ class Simulator:
         """KV ran out: the newest running request gives its KV back and waits to re-prefill."""
         req = max(w.running, key=lambda r: (r.arrival_s, r.rid))
         w.running.remove(req)
-        w.kv_used -= req.context
-        w.kv_reserved -= req.reserve_left
-        req.reserve_left = 0
+        w.kv_used -= req.kv_held
+        w.n_active -= 1
+        req.kv_held = 0
         req.context = 0
         req.has_kv = False
         req.needs_recompute = True
         req.retractions += 1
-        w.waiting.appendleft(req)
+        w.retracted_tokens += req.input + req.generated
+        w.retracted.append(req)
 
-    def _take_borrowed_chunks(self, w: DecodeWorker, decode_step_s: float) -> list[tuple[ReqState, int]]:
-        """Chunks of borrowed prefill to mix into this iteration, within the lease's rate.
+    def _take_borrowed_chunks(self, w: DecodeWorker) -> list[tuple[ReqState, int]]:
+        """Chunks of borrowed prefill to mix into this iteration, paid from the node's token bucket.
 
         Started tasks continue; a task not yet started re-checks the node with the scheduler first and
-        waits while decode requests wait for room (decode always wins)."""
+        waits while decode requests wait for room (decode always wins). With too little credit for a
+        useful chunk it takes none (``_start_decode_iteration`` then waits for the credit)."""
         if not w.borrowed or self.scheduler is None:
             return []
-        budget = max(self.config.page_tokens, int(w.lease_prefill_tokens_per_s * max(decode_step_s, 0.01)))
+        cfg = self.config
+        budget = borrowed_chunk_tokens(
+            min(w.bucket.available_tokens(self.now_s), cfg.prefill_chunk_tokens),
+            self._borrowed_remaining(w),
+            self._min_chunk_tokens(w),
+        )
+        if budget <= 0:
+            return []
         chunks: list[tuple[ReqState, int]] = []
         state: NodeState | None = None
         for req in list(w.borrowed):
             if budget <= 0:
                 break
             if not req.started:
-                if w.waiting or len(w.running) >= self.config.max_running_requests:
+                if w.waiting or w.prealloc or w.retracted or len(w.running) >= cfg.max_running_requests:
                     break
                 state = state or self._node_state(w)
                 verdict = self.scheduler.on_task_arrival(req.reservation, state, self.now_s)
@@ -480,46 +623,73 @@ class Simulator:
                     w.borrowed.remove(req)
                     self._fallback(req)
                     continue
-                if not self._make_room(w, req.input):
+                local = min(w.cache.match_tokens(req.rid, touch=True), req.input - 1) if w.cache else 0
+                if not self._kv_fits(w, req.input - local, exclude_reservation=req.reservation):
                     break
                 if not self.scheduler.on_task_started(req.reservation, self.now_s):
                     w.borrowed.remove(req)
                     self._fallback(req)
                     continue
                 req.started = True
-                local = w.cache.match_tokens(req.rid, touch=True) if w.cache else 0
                 cached = min(local + req.pull, req.input - 1)
                 req.cached = cached
                 req.done = cached
                 req.context = req.input
+                req.kv_held = req.input - local
+                w.kv_used += req.kv_held
+                w.n_active += 1
                 req.has_kv = True
-                w.kv_used += req.input
+                state = None
             take = min(req.input - req.done, budget)
             chunks.append((req, take))
             budget -= take
+        spent = sum(take for _, take in chunks)
+        if spent:
+            w.bucket.spend(spent, self.now_s)
         return chunks
+
+    @staticmethod
+    def _borrowed_remaining(w: DecodeWorker) -> int:
+        """Borrowed prefill tokens still to compute on ``w`` (a pulled prefix is not computed)."""
+        return sum(r.input - r.done if r.started else r.input - min(r.pull, r.input - 1) for r in w.borrowed)
+
+    def _min_chunk_tokens(self, w: DecodeWorker) -> int:
+        """The smallest borrowed chunk worth an iteration: a page, or all the credit the bucket can hold."""
+        return max(1, min(self.config.page_tokens, int(w.bucket.rate_tokens_per_s * w.bucket.burst_s)))
+
+    def _wake_when_credit(self, w: DecodeWorker) -> None:
+        """An idle node with borrowed work but too little credit starts again once it has a chunk's
+        (with enough credit it is waiting for something else, and that event restarts it)."""
+        if w.wake_pending or not w.borrowed:
+            return
+        tokens = min(self._borrowed_remaining(w), self._min_chunk_tokens(w))
+        wait_s = w.bucket.seconds_until(tokens, self.now_s)
+        if 0.0 < wait_s < math.inf:
+            w.wake_pending = True
+            self._push(max(self.now_s + wait_s, math.nextafter(self.now_s, math.inf)), _EV_WAKE, w.idx, 0)
 
     def _start_decode_iteration(self, w: DecodeWorker) -> None:
         cfg = self.config
         self._admit(w)
-        # Requests past their KV reservation grow by one token per iteration; retract until that fits.
-        growing = sum(1 for r in w.running if r.reserve_left == 0 and not r.needs_recompute)
+        # Every decoding request grows by one token per iteration; retract until that fits.
+        growing = sum(1 for r in w.running if not r.needs_recompute)
         while growing and not self._make_room(w, growing):
             self._retract(w)
-            growing = sum(1 for r in w.running if r.reserve_left == 0 and not r.needs_recompute)
+            growing = sum(1 for r in w.running if not r.needs_recompute)
         prefill = [(req, req.context) for req in w.running if req.needs_recompute]
         batch = len(w.running) - len(prefill)
         ctx = sum(r.context for r in w.running if not r.needs_recompute)
         decode_step = self.cm.iteration_time_s((), batch, ctx) if batch else 0.0
-        prefill.extend(self._take_borrowed_chunks(w, decode_step))
+        prefill.extend(self._take_borrowed_chunks(w))
         if batch == 0 and not prefill:
             w.busy = False
+            self._wake_when_credit(w)
             return
         k = 1
-        if not prefill:
+        if not prefill and not (w.borrowed and w.bucket.rate_tokens_per_s > 0):
             k = min(cfg.max_decode_jump_iters, min(r.output - r.generated for r in w.running))
             if growing:
-                k = max(1, min(k, self._kv_free(w) // growing))
+                k = max(1, min(k, (w.capacity_tokens - w.kv_used) // growing))
                 self._make_room(w, growing * k)
         chunks = [(take, 0 if req.needs_recompute else req.done) for req, take in prefill]
         t0 = self.cm.iteration_time_s(chunks, batch, ctx) if chunks else decode_step
@@ -550,18 +720,15 @@ class Simulator:
             self.itl_segments.append((t0, dt, k, len(decoding)))
             c = self.counters
             c.output_tokens += k * len(decoding)
-            slo = self.config.slo_itl_s
+            slo = self.config.slo_tpot_s
             if t0 + dt * (k - 1) > slo:  # iteration i takes t0 + i*dt: count those over the target
                 fast = 0 if t0 > slo else min(k, int((slo - t0) / dt) + 1)
                 slow = k - fast
                 c.itl_slo_miss_tokens += slow * len(decoding)
         finished: list[ReqState] = []
         for req in decoding:
-            before = req.reserve_left
-            used = min(before, k)
-            req.reserve_left = before - used
-            w.kv_reserved -= used
             w.kv_used += k
+            req.kv_held += k
             req.context += k
             req.generated += k
             req.last_token_s = self.now_s
@@ -583,6 +750,8 @@ class Simulator:
         w.iter_prefill = []
         for req in finished:
             self._finish(w, req)
+        if w.prealloc:
+            self._try_prealloc(w)
         self._start_decode_iteration(w)
 
     def _borrowed_prefill_done(self, w: DecodeWorker, req: ReqState) -> None:
@@ -593,14 +762,9 @@ class Simulator:
         if req.generated >= req.output:
             self._finish(w, req)
             return
-        reserve = math.ceil(self.config.decode_reserve_ratio * (req.output - 1))
-        req.reserve_left = reserve
-        w.kv_reserved += reserve
         if len(w.running) < self.config.max_running_requests:
             w.running.append(req)
         else:
-            w.kv_reserved -= reserve
-            req.reserve_left = 0
             w.waiting.appendleft(req)
 
     def _reject(self, req: ReqState, reason: str) -> None:
@@ -619,18 +783,21 @@ class Simulator:
         req.finish_s = self.now_s
         if req in w.running:  # a borrowed one-token request finishes straight from its prefill
             w.running.remove(req)
-        w.kv_used -= req.context
-        w.kv_reserved -= req.reserve_left
-        req.reserve_left = 0
+        w.kv_used -= req.kv_held
+        w.n_active -= 1
+        req.kv_held = 0
         req.context = 0
         if w.cache is not None:
             w.cache.insert(req.rid)
             self._make_room(w, 0)
         if req.path == BORROWED and self.scheduler is not None:
             self.scheduler.on_request_finished(req.reservation)
+        self.decode_pool.finished(w.idx)
         self.finished += 1
         self.counters.finished += 1
         self._release_children(req)
+        if w.prealloc:
+            self._try_prealloc(w)
 
     # ---------------------------------------------------------------- control interval
     def _node_state(self, w: DecodeWorker) -> NodeState:
@@ -657,8 +824,8 @@ class Simulator:
             remaining_output_tokens_mean=float(rem),
             kv_capacity_tokens=w.capacity_tokens,
             kv_used_tokens=w.kv_used,
-            kv_reserved_tokens=w.kv_reserved,
-            queued_decode_requests=len(w.waiting),
+            kv_reserved_tokens=self.config.num_reserved_decode_tokens * w.n_active,
+            queued_decode_requests=len(w.waiting) + len(w.prealloc) + len(w.retracted),
             borrowed_tasks=len(w.borrowed),
             borrowed_prefill_tokens_queued=sum(r.input - r.done for r in w.borrowed),
             recent_step_time_s=recent,
@@ -674,35 +841,35 @@ class Simulator:
     def _on_tick(self) -> None:
         assert self.scheduler is not None
         revoked = set(self.scheduler.on_control_interval(self.now_s, self.node_states()) or ())
-        ledger = getattr(self.scheduler, "ledger", None)
         for w in self.decode:
-            lease = ledger.lease(w.idx) if ledger is not None else None
-            if lease is not None and lease.expires_s > self.now_s and lease.ttl_s > 0:
-                w.lease_prefill_tokens_per_s = lease.budgets.prefill_tokens / lease.ttl_s
-            else:
-                w.lease_prefill_tokens_per_s = 0.0
+            rate, expires_s = self.scheduler.lease_rate(w.idx)
+            w.bucket.set_lease(self.now_s, rate, expires_s)
             if revoked:  # revoked before they started: back to the normal path now
                 for req in [r for r in w.borrowed if not r.started and r.reservation in revoked]:
                     w.borrowed.remove(req)
                     self._fallback(req)
-            self.node_timeline.append(
-                (self.now_s, w.idx, w.lease_prefill_tokens_per_s, w.borrowed_tokens_total, len(w.running))
-            )
+            self.node_timeline.append((self.now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
             w.step_time_sum_s = 0.0
             w.decode_only_sum_s = 0.0
             w.step_count = 0
-            if w.borrowed and not w.busy:
-                self._start_decode_iteration(w)
+            if w.borrowed and rate > 0:
+                self._kick_decode(w)
         # An idle cluster needs no control ticks: the next arrival restarts them.
-        idle = all(not w.busy and not w.borrowed and not w.waiting for w in self.decode) and all(
-            not pw.busy for pw in self.prefill
-        )
+        idle = all(
+            not w.busy and not w.borrowed and not w.waiting and not w.retracted for w in self.decode
+        ) and all(not pw.busy for pw in self.prefill)
         if self.finished < len(self.reqs) and not idle:
             self._push(self.now_s + self.config.control_interval_s, _EV_TICK, 0, 0)
         else:
             self._tick_pending = False
 
     # ---------------------------------------------------------------- result
+    def granted_prefill_tokens(self) -> list[float]:
+        """Prefill tokens each decode node's leases granted so far (0 without a scheduler)."""
+        if self.scheduler is None:
+            return [0.0] * len(self.decode)
+        return [self.scheduler.granted_prefill_tokens(w.idx, self.now_s) for w in self.decode]
+
     def result(self) -> SimResult:
         return build_result(self)
 

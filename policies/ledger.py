@@ -68,6 +68,9 @@ class LeaseLedger:
         # Terminal states are kept so a late commit/arrival on a revoked id answers False, not KeyError.
         self._closed: dict[int, ReservationStatus] = {}
         self._next_id = 1
+        # Prefill tokens granted per node by leases no longer current, and when the current one began.
+        self._granted_closed: dict[int, float] = {}
+        self._grant_from_s: dict[int, float] = {}
 
     # ---- leases -------------------------------------------------------------------------------
     def publish(self, node_id: int, budgets: LeaseBudgets, now_s: float, ttl_s: float) -> Lease:
@@ -79,7 +82,7 @@ class LeaseLedger:
             previous = self._leases.get(node_id)
             epoch = previous.epoch + 1 if previous is not None else 0
             lease = Lease(node_id=node_id, epoch=epoch, budgets=budgets, issued_s=now_s, ttl_s=ttl_s)
-            self._install(lease)
+            self._install(lease, now_s)
             return lease
 
     def revoke(self, node_id: int, now_s: float, shrink_to: LeaseBudgets | None = None) -> list[int]:
@@ -101,7 +104,7 @@ class LeaseLedger:
                 )
             before = set(self.pending_ids(node_id))
             lease = Lease(node_id, current.epoch + 1, target, current.issued_s, current.ttl_s)
-            self._install(lease)
+            self._install(lease, now_s)
             return sorted(before - set(self.pending_ids(node_id)))
 
     def expire(self, now_s: float) -> list[int]:
@@ -123,6 +126,19 @@ class LeaseLedger:
         """The node's current lease (possibly expired or zero), or ``None`` if it never published."""
         with self._lock:
             return self._leases.get(node_id)
+
+    def granted_prefill_tokens(self, node_id: int, now_s: float) -> float:
+        """Prefill tokens the node's leases granted from its first lease up to ``now_s``.
+
+        A lease grants ``budgets.prefill_tokens / ttl_s`` tokens per second from the moment it becomes
+        current until it is superseded (a publish or a revocation) or expires, whichever is first.
+        This is the denominator of lease utilisation, counted here independently of whoever spends.
+        """
+        with self._lock:
+            lease = self._leases.get(node_id)
+            if lease is None:
+                return 0.0
+            return self._granted_closed.get(node_id, 0.0) + _grant(lease, self._grant_from_s[node_id], now_s)
 
     def node_ids(self) -> list[int]:
         """Nodes that have ever published, ascending."""
@@ -254,9 +270,16 @@ class LeaseLedger:
             )
 
     # ---- internals ------------------------------------------------------------------------------
-    def _install(self, lease: Lease) -> None:
+    def _install(self, lease: Lease, now_s: float) -> None:
         """Make ``lease`` current; carry over the un-committed reservations that fit, revoke the rest."""
         node_id = lease.node_id
+        previous = self._leases.get(node_id)
+        if previous is not None:
+            since = self._grant_from_s[node_id]
+            self._granted_closed[node_id] = self._granted_closed.get(node_id, 0.0) + _grant(
+                previous, since, now_s
+            )
+        self._grant_from_s[node_id] = now_s
         self._leases[node_id] = lease
         kept = self.held(node_id, committed=True)
         for rid in self.pending_ids(node_id):
@@ -271,3 +294,9 @@ class LeaseLedger:
     def _close(self, reservation_id: int, status: ReservationStatus) -> None:
         del self._active[reservation_id]
         self._closed[reservation_id] = status
+
+
+def _grant(lease: Lease, since_s: float, now_s: float) -> float:
+    """Prefill tokens ``lease`` grants over ``[since_s, min(now_s, expiry))``."""
+    live_s = min(now_s, lease.expires_s) - since_s
+    return lease.budgets.prefill_tokens / lease.ttl_s * live_s if live_s > 0 else 0.0

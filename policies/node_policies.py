@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
+from policies.slo import DEFAULT_TPOT_SLO_S
 
 
 @runtime_checkable
@@ -82,7 +83,7 @@ class UtilisationPolicy:
     the paper shows makes "low utilisation" a poor guide to safe lending. Kept as a baseline.
     """
 
-    itl_target_s: float = 0.05
+    itl_target_s: float = DEFAULT_TPOT_SLO_S
     threshold: float = 0.5
     """Lend only while utilisation is strictly below this."""
     ttl_s: float = 1.0
@@ -137,7 +138,7 @@ class HeuristicPolicy:
     """
 
     predictor: SafePrefillPredictor
-    itl_target_s: float = 0.05
+    itl_target_s: float = DEFAULT_TPOT_SLO_S
     """Per-token latency target the decode batch must keep."""
     ttl_s: float = 8.0
     """Lease length, and so the horizon of the prefill budget (``safe rate x ttl_s`` tokens may be

@@ -41,6 +41,7 @@ from policies.node_policies import (
     register_node_policy,
 )
 from policies.node_state import NodeState
+from policies.slo import DEFAULT_TPOT_SLO_S
 
 ARTIFACT_FORMAT = "crossflow-rl-policy/1"
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "data" / "rl_policy.npz"
@@ -76,7 +77,7 @@ _LOG_SAFE = math.log1p(131_072.0)
 class LeaseShape:
     """The fixed (not learned) parameters that turn actions into budgets; stored in the artifact."""
 
-    itl_target_s: float = 0.05
+    itl_target_s: float = DEFAULT_TPOT_SLO_S
     """Per-token latency target; decode pressure when the recent step exceeds it."""
     ttl_s: float = 8.0
     """Lease TTL. The scheduler reads ``policy.ttl_s`` as a constant and republishes every control

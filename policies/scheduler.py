@@ -30,6 +30,7 @@ from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
 from policies.node_policies import NodePolicy
 from policies.node_state import NodeState
+from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
 PathName = Literal["normal", "borrow"]
 ArrivalVerdict = Literal["run", "pause", "fallback"]
@@ -124,7 +125,7 @@ class ClusterScheduler:
         ledger: LeaseLedger,
         cost: CostEstimator,
         *,
-        control_interval_s: float = 0.5,
+        control_interval_s: float = DEFAULT_CONTROL_INTERVAL_S,
         congestion_wait_s: float = 0.2,
         borrow_margin: float = 0.1,
         itl_guard: float | None = 1.25,
@@ -348,6 +349,36 @@ class ClusterScheduler:
         return PathDecision(
             "normal", None, None, est_normal_s, best_s, "reservation failed on every candidate"
         )
+
+    # ---- what a lending node reads ------------------------------------------------------------------
+    def lease_rate(self, node_id: int) -> tuple[float, float]:
+        """``(prefill tokens per second, expiry)`` of the node's current lease; ``(0, 0)`` without one.
+
+        The node's token bucket earns credit at this rate until the expiry (``policies.admission``).
+        """
+        with self._lock:
+            lease = self.ledger.lease(node_id)
+            if lease is None:
+                return 0.0, 0.0
+            return lease.budgets.prefill_tokens / lease.ttl_s, lease.expires_s
+
+    def unstarted_kv_tokens(self, node_id: int, exclude: int | None = None) -> int:
+        """KV tokens that reservations not yet started on ``node_id`` hold (optionally but one): the
+        node keeps that room out of its pre-allocation budget so PD admissions cannot take it."""
+        with self._lock:
+            held = self.ledger.held(node_id, committed=False).kv_tokens
+            if exclude is not None and self.ledger.status(exclude) == "reserved":
+                held -= self.ledger.held_by(exclude).kv_tokens
+            return held
+
+    def pull_tokens(self, reservation_id: int) -> int:
+        """Prefix tokens the borrowed task pulls from a prefill worker's cache before it computes."""
+        with self._lock:
+            return self.ledger.held_by(reservation_id).transfer_tokens
+
+    def granted_prefill_tokens(self, node_id: int, now_s: float) -> float:
+        """Prefill tokens the node's leases granted up to ``now_s`` (the ledger's record)."""
+        return self.ledger.granted_prefill_tokens(node_id, now_s)
 
     # ---- borrowed task life cycle ---------------------------------------------------------------------
     def on_task_arrival(self, reservation_id: int, state: NodeState, now_s: float) -> ArrivalVerdict:

@@ -21,7 +21,11 @@ class LinearCostModel:
     per_context_token_s: float = 0.0
     kv_capacity_tokens: int = 1_000_000
     kv_bytes_per_token: int = 1000
+    kv_transfer_bytes_per_token: float = 0.0
+    """Bytes one token's KV puts on a transfer link (0: a transfer takes only the link latency)."""
     transfer_s: float = 0.005
+    """What ``kv_transfer_time_s`` answers (the scheduler's estimate; the simulator times transfers on
+    its links from ``kv_transfer_bytes_per_token`` and the cluster's latency)."""
 
     def iteration_time_s(
         self, prefill: Sequence[tuple[int, int]] = (), decode_batch: int = 0, decode_context_tokens: int = 0

@@ -87,8 +87,10 @@ def test_saturation_search_falls_back_to_the_idle_share() -> None:
 
 
 def test_served_slo_share_counts_unfinished_requests_as_misses() -> None:
-    assert served_slo_share({"n_requests": 10, "n_finished": 8, "slo_attainment": 0.75}) == pytest.approx(0.6)
-    assert served_slo_share({"n_requests": 0, "n_finished": 0, "slo_attainment": math.nan}) == 0.0
+    # 10 requests, 2 rejected (outside the denominator), 6 within SLO, the rest missed or unfinished
+    assert served_slo_share({"n_requests": 10, "n_rejected": 2, "n_slo_met": 6}) == pytest.approx(0.75)
+    assert served_slo_share({"n_requests": 2, "n_rejected": 2, "n_slo_met": 0}) == 0.0
+    assert served_slo_share({"n_requests": 0, "n_rejected": 0, "n_slo_met": 0}) == 0.0
 
 
 # ---- oracle ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 from envs.arrivals import sample_sessions, subset
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
+from envs.estimator import ClusterEstimator
 from envs.metrics import SimResult
 from envs.request import Trace
 from envs.simulator import simulate
@@ -28,8 +29,6 @@ DEFAULT_SESSION_RATE_PER_S: dict[str, float] = {"agent": 0.004}
 MAX_THINK_S = 300.0
 """Think times above this are capped in experiments: a session idle for longer (a person away) adds
 nothing to load and would stretch a replay over days of simulated time."""
-
-CONTROL_INTERVAL_S = 0.5
 
 
 def default_tp(model: str) -> int:
@@ -88,7 +87,6 @@ class Point:
             gpu=self.gpu,
             model=self.model,
             tp=self.resolved_tp,
-            control_interval_s=CONTROL_INTERVAL_S,
         )
 
     def label(self) -> str:
@@ -137,10 +135,13 @@ def build_scheduler(policy: str, config: ClusterConfig, cost_model: CostModel, *
 
         kwargs["predictor"] = default_predictor(config.gpu, config.model, config.tp)
     if policy in ("heuristic", "utilisation"):
-        kwargs.setdefault("itl_target_s", config.slo_itl_s)
+        kwargs.setdefault("itl_target_s", config.slo_tpot_s)
     node_policy = make_node_policy(policy, **kwargs)
     return ClusterScheduler(
-        node_policy, LeaseLedger(), cost_model, control_interval_s=config.control_interval_s
+        node_policy,
+        LeaseLedger(),
+        ClusterEstimator(config, cost_model),
+        control_interval_s=config.control_interval_s,
     )
 
 

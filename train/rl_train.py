@@ -159,7 +159,7 @@ def _library_versions() -> dict[str, str]:
 def baseline_policies(predictor: SafePrefillPredictor, env: LeaseEnv) -> dict[str, NodePolicy]:
     """``static``, ``heuristic`` (its defaults) and ``heuristic_same_ttl`` (the heuristic given the RL
     policy's TTL and task cap, to separate what was learned from what the lease shape gives)."""
-    itl = env.cluster.slo_itl_s
+    itl = env.cluster.slo_tpot_s
     shape = env.config.lease_shape
     return {
         "static": StaticPolicy(),

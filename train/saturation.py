@@ -23,12 +23,10 @@ LOAD_BOUNDS = (2.0**-12, 64.0)
 
 
 def served_slo_share(metrics: dict[str, Any]) -> float:
-    """Share of all requests that finished within SLO (unfinished requests count as misses)."""
-    n = int(metrics["n_requests"])
-    att = float(metrics["slo_attainment"])
-    if n == 0 or not math.isfinite(att):
-        return 0.0
-    return att * int(metrics["n_finished"]) / n
+    """Share of the requests that finished within SLO: unfinished ones count as misses, rejected ones
+    (beyond the context window or any worker's KV) are outside the denominator."""
+    eligible = int(metrics["n_requests"]) - int(metrics["n_rejected"])
+    return int(metrics["n_slo_met"]) / eligible if eligible > 0 else 0.0
 
 
 def find_saturation(

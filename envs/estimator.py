@@ -1,0 +1,48 @@
+"""The timing estimates a scheduler makes, from the same cluster configuration the simulator runs.
+
+``ClusterEstimator`` implements ``policies.scheduler.CostEstimator`` with the cluster's own chunk size,
+KV-transfer bandwidth and latency, so the scheduler and the simulator never disagree about a fact
+(earlier, the scheduler used the cost model's defaults while the simulator ran ``ClusterConfig``'s).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from envs.cluster_config import ClusterConfig
+
+
+class _Timing(Protocol):
+    def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0, chunk_tokens: int = 8192) -> float: ...
+
+    def kv_transfer_time_s(
+        self, tokens: int, bandwidth_bytes_per_s: float | None = None, latency_s: float = ...
+    ) -> float: ...
+
+
+class ClusterEstimator:
+    """Prefill, queue and KV-transfer times on ``config``'s cluster, computed by ``cost_model``."""
+
+    def __init__(self, config: ClusterConfig, cost_model: _Timing) -> None:
+        self.config = config
+        self.cost_model = cost_model
+
+    def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """``new_tokens`` prefilled alone after ``cached_tokens`` of cached prefix, in the cluster's
+        chunks."""
+        return self.cost_model.prefill_time_s(new_tokens, cached_tokens, self.config.prefill_chunk_tokens)
+
+    def queue_wait_s(self, queued_tokens: int) -> float:
+        """Time a prefill worker needs for ``queued_tokens`` already queued ahead (no cache assumed)."""
+        return self.prefill_time_s(queued_tokens) if queued_tokens > 0 else 0.0
+
+    def kv_transfer_time_s(self, tokens: int) -> float:
+        """One transfer of ``tokens`` tokens' KV over an otherwise idle link."""
+        return self.cost_model.kv_transfer_time_s(
+            tokens,
+            bandwidth_bytes_per_s=self.config.kv_transfer_bandwidth_bytes_per_s,
+            latency_s=self.config.kv_transfer_latency_s,
+        )
+
+
+__all__ = ["ClusterEstimator"]

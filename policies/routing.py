@@ -1,0 +1,343 @@
+"""Worker selection as SGLang's gateway does it: the rules the simulator and the HTTP router share.
+
+A router keeps, per pool (prefill or decode), how many requests it has dispatched to each worker and
+not yet seen finish (``load``: in the prefill pool a request counts until the prefill worker
+answers, i.e. through its queue, its prefill and its KV transfer; in the decode pool from the
+moment it is dispatched, which under PD dual dispatch is the request's arrival, through prefill,
+transfer and decode) and how many it ever dispatched there (``processed``, a tie-break). A
+cache-aware rule also needs, for the request at hand, how many of its leading input tokens the
+router's approximate tree says each worker holds (``matched_tokens``) — the caller computes that
+(the simulator from its prefix index, the HTTP router from token ids) and passes it in.
+
+Rules (``make_routing_policy(name)``):
+
+* ``cache_aware`` — smg 1.13.0 with no policy flags (``smg launch --pd-disaggregation ...``), the
+  default for both pools. Source: smg-project/smg ``model_gateway/src/policies/cache_aware.rs``
+  (``select_worker``, ``select_worker_with_text``, ``select_matched_candidate``,
+  ``gate_selected_candidate``) and the 1.13.0 wheel's ``smg/router_args.py`` (defaults, lines
+  89-95; the spill-gate help text, lines 688-712). Per request:
+
+  1. ``match_rate = best matched tokens / input tokens``; if it exceeds ``cache_threshold`` (0.3),
+     the candidates are the workers holding that longest match ("tenants"), and the least loaded
+     of them is chosen (ties broken uniformly at random); otherwise the least-loaded worker of the
+     pool (ties: fewer ``processed``, then lower index).
+  2. Spill gate on a cache hit: if the chosen worker's load exceeds both
+     ``balance_rel_threshold`` (1.5) x the pool's mean load and the mean plus a margin, the request
+     goes to the least-loaded worker instead. The margin is ``balance_abs_threshold`` (64) capped at
+     the in-flight count's natural swing at the current mean, two standard deviations of a Poisson
+     count (``2 sqrt(mean)``), never under 4 unless ``balance_abs_threshold`` itself is lower.
+
+  Overload protection (on by default in smg 1.13.0, ``router_args.py`` lines 271-275 and the
+  ``--worker-overload-*`` help): a worker whose polled backend load shows at least 8 waiting
+  requests or at least 0.8 KV token usage is left out while another worker is under both; when every
+  worker is over them, all are candidates. The caller refreshes ``WorkerPool.overloaded`` from the
+  workers' reported loads every ``load_monitor_interval_s`` (10 s).
+
+  Not modelled: smg's warm-up slice for freshly started or emptied ("thin") workers and its KV-usage
+  balance triggers (off by default).
+* ``sglang_router_cache_aware`` — sglang-router 0.3.2's older rule (no overload protection): if the
+  pool is imbalanced (``max - min > 64`` and ``max > 1.5 x min`` in-flight requests) the
+  least-loaded worker; otherwise the best match if ``match_rate > 0.3``, else the worker with the
+  smallest tree.
+* ``round_robin``, ``least_load`` (fewest in-flight requests, smg's tie-break), ``power_of_two``
+  (two distinct workers drawn at random, the less loaded wins).
+
+Rules are deterministic given the ``numpy`` generator the caller passes (seeded per simulation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+ROUTING_POLICIES = ("cache_aware", "sglang_router_cache_aware", "round_robin", "least_load", "power_of_two")
+"""Names accepted by ``make_routing_policy`` (and ``ClusterConfig.prefill_routing`` / ``decode_routing``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadProtection:
+    """smg 1.13.0's worker overload protection defaults (``router_args.py`` lines 88, 271-275)."""
+
+    waiting_requests: int = 8
+    """A worker with at least this many waiting requests is overloaded."""
+    token_usage: float = 0.8
+    """A worker whose KV token usage is at least this share is overloaded."""
+    load_monitor_interval_s: float = 10.0
+    """How often the gateway polls the workers' loads."""
+
+    def is_overloaded(self, waiting_requests: int, token_usage: float) -> bool:
+        return waiting_requests >= self.waiting_requests or token_usage >= self.token_usage
+
+
+class WorkerPool:
+    """A router's per-worker view of one pool: in-flight requests, dispatch counts, overload flags."""
+
+    __slots__ = ("load", "overloaded", "processed")
+
+    def __init__(self, n_workers: int) -> None:
+        if n_workers < 1:
+            raise ValueError(f"WorkerPool needs at least one worker, got {n_workers}")
+        self.load = [0] * n_workers
+        """Requests dispatched to each worker and not finished there."""
+        self.processed = [0] * n_workers
+        """Requests ever dispatched to each worker."""
+        self.overloaded = [False] * n_workers
+        """From the last load poll (``OverloadProtection``); overloaded workers are skipped while
+        another is not."""
+
+    def candidates(self) -> list[int]:
+        """Workers a request may go to: those not overloaded, or every worker if all are."""
+        ok = [i for i, over in enumerate(self.overloaded) if not over]
+        return ok if ok else list(range(len(self.load)))
+
+    def __len__(self) -> int:
+        return len(self.load)
+
+    def dispatched(self, worker: int) -> None:
+        self.load[worker] += 1
+        self.processed[worker] += 1
+
+    def finished(self, worker: int) -> None:
+        if self.load[worker] <= 0:
+            raise ValueError(f"worker {worker} has no request in flight to finish")
+        self.load[worker] -= 1
+
+    def least_loaded(self, candidates: list[int] | None = None) -> int:
+        """smg's min-load pick among ``candidates`` (default: ``candidates()``): fewest in-flight
+        requests, then fewest dispatched, then lowest index."""
+        load, processed = self.load, self.processed
+        pool = self.candidates() if candidates is None else candidates
+        best = pool[0]
+        for i in pool[1:]:
+            if load[i] < load[best] or (load[i] == load[best] and processed[i] < processed[best]):
+                best = i
+        return best
+
+
+MatchFn = Callable[[int], int]
+"""``worker index -> leading input tokens of this request the router's tree holds for that worker``."""
+
+TreeSizeFn = Callable[[int], int]
+"""``worker index -> tokens in the router's tree for that worker`` (only the legacy rule asks)."""
+
+
+class RoutingPolicy(Protocol):
+    """Picks a worker of ``pool`` for one request."""
+
+    name: str
+    uses_prefix_match: bool
+    """True when ``choose`` reads ``matched`` (the caller may skip computing matches otherwise)."""
+
+    def choose(
+        self,
+        pool: WorkerPool,
+        input_tokens: int,
+        matched: MatchFn,
+        rng: np.random.Generator,
+        tree_tokens: TreeSizeFn | None = None,
+    ) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAwareConfig:
+    """smg 1.13.0's command-line defaults for ``cache_aware`` (``smg/router_args.py``, lines 89-95)."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_s: float = 60.0
+    max_tree_size: int = 2**26
+    """Characters in the router's approximate tree, shared by all workers of the model."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(
+                f"CacheAwareConfig.cache_threshold must be in [0, 1], got {self.cache_threshold}"
+            )
+        if self.balance_abs_threshold < 0 or not self.balance_rel_threshold >= 1.0:
+            raise ValueError("CacheAwareConfig: balance_abs_threshold >= 0 and balance_rel_threshold >= 1")
+        if self.eviction_interval_s <= 0 or self.max_tree_size < 1:
+            raise ValueError("CacheAwareConfig: eviction_interval_s and max_tree_size must be positive")
+
+    def spill_margin(self, mean_load: float) -> float:
+        """Absolute part of the spill gate at a pool mean of ``mean_load`` in-flight requests."""
+        floor = min(4.0, float(self.balance_abs_threshold))
+        swing = 2.0 * math.sqrt(max(mean_load, 0.0))
+        return min(float(self.balance_abs_threshold), max(swing, floor))
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAware:
+    """smg's ``cache_aware`` (see the module docstring)."""
+
+    config: CacheAwareConfig = CacheAwareConfig()
+    name: str = "cache_aware"
+    uses_prefix_match: bool = True
+
+    def choose(
+        self,
+        pool: WorkerPool,
+        input_tokens: int,
+        matched: MatchFn,
+        rng: np.random.Generator,
+        tree_tokens: TreeSizeFn | None = None,
+    ) -> int:
+        if len(pool) == 1:
+            return 0
+        cands = pool.candidates()
+        if len(cands) == 1:
+            return cands[0]
+        load = pool.load
+        matches = {i: matched(i) for i in cands}
+        best = max(matches.values())
+        if input_tokens <= 0 or best / input_tokens <= self.config.cache_threshold:
+            return pool.least_loaded(cands)
+        tenants = [i for i in cands if matches[i] == best]
+        lowest = min(load[i] for i in tenants)
+        holders = [i for i in tenants if load[i] == lowest]
+        chosen = holders[0] if len(holders) == 1 else holders[int(rng.integers(len(holders)))]
+        mean = sum(load[i] for i in cands) / len(cands)
+        cfg = self.config
+        if load[chosen] > mean * cfg.balance_rel_threshold and load[chosen] > mean + cfg.spill_margin(mean):
+            return pool.least_loaded(cands)
+        return chosen
+
+
+@dataclass(frozen=True, slots=True)
+class SglangRouterCacheAware:
+    """sglang-router 0.3.2's ``cache_aware``: global imbalance check, then best match or smallest tree."""
+
+    config: CacheAwareConfig = CacheAwareConfig()
+    name: str = "sglang_router_cache_aware"
+    uses_prefix_match: bool = True
+
+    def choose(
+        self,
+        pool: WorkerPool,
+        input_tokens: int,
+        matched: MatchFn,
+        rng: np.random.Generator,
+        tree_tokens: TreeSizeFn | None = None,
+    ) -> int:
+        n = len(pool)
+        if n == 1:
+            return 0
+        load, cfg = pool.load, self.config
+        hi, lo = max(load), min(load)
+        if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
+            return pool.least_loaded(list(range(n)))
+        matches = [matched(i) for i in range(n)]
+        best = max(range(n), key=lambda i: (matches[i], -i))
+        if input_tokens > 0 and matches[best] / input_tokens > cfg.cache_threshold:
+            return best
+        if tree_tokens is None:
+            raise ValueError("sglang_router_cache_aware needs the router tree's size per worker")
+        return min(range(n), key=lambda i: (tree_tokens(i), i))
+
+
+class RoundRobin:
+    """Each pool cycles through its workers (one counter per policy object)."""
+
+    name = "round_robin"
+    uses_prefix_match = False
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(
+        self,
+        pool: WorkerPool,
+        input_tokens: int,
+        matched: MatchFn,
+        rng: np.random.Generator,
+        tree_tokens: TreeSizeFn | None = None,
+    ) -> int:
+        cands = pool.candidates()
+        chosen = cands[self._next % len(cands)]
+        self._next += 1
+        return chosen
+
+
+@dataclass(frozen=True, slots=True)
+class LeastLoad:
+    """Fewest in-flight requests (smg's min-load tie-break)."""
+
+    name: str = "least_load"
+    uses_prefix_match: bool = False
+
+    def choose(
+        self,
+        pool: WorkerPool,
+        input_tokens: int,
+        matched: MatchFn,
+        rng: np.random.Generator,
+        tree_tokens: TreeSizeFn | None = None,
+    ) -> int:
+        return pool.least_loaded()
+
+
+@dataclass(frozen=True, slots=True)
+class PowerOfTwo:
+    """Two distinct workers drawn uniformly at random; the one with fewer in-flight requests wins."""
+
+    name: str = "power_of_two"
+    uses_prefix_match: bool = False
+
+    def choose(
+        self,
+        pool: WorkerPool,
+        input_tokens: int,
+        matched: MatchFn,
+        rng: np.random.Generator,
+        tree_tokens: TreeSizeFn | None = None,
+    ) -> int:
+        cands = pool.candidates()
+        if len(cands) == 1:
+            return cands[0]
+        a, b = (cands[int(x)] for x in rng.choice(len(cands), size=2, replace=False))
+        load = pool.load
+        return a if (load[a], a) <= (load[b], b) else b
+
+
+def make_routing_policy(name: str, cache_aware: CacheAwareConfig | None = None) -> RoutingPolicy:
+    """A fresh routing rule by name (see ``ROUTING_POLICIES``); a new object per pool."""
+    cfg = cache_aware or CacheAwareConfig()
+    if name == "cache_aware":
+        return CacheAware(cfg)
+    if name == "sglang_router_cache_aware":
+        return SglangRouterCacheAware(cfg)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "power_of_two":
+        return PowerOfTwo()
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(ROUTING_POLICIES)}")
+
+
+def check_routing_name(field: str, name: str) -> None:
+    """Raise ``ValueError`` naming ``field`` when ``name`` is not a routing policy."""
+    if name not in ROUTING_POLICIES:
+        raise ValueError(
+            f"{field}: unknown routing policy {name!r}; choose from {', '.join(ROUTING_POLICIES)}"
+        )
+
+
+__all__ = [
+    "ROUTING_POLICIES",
+    "CacheAware",
+    "CacheAwareConfig",
+    "LeastLoad",
+    "OverloadProtection",
+    "PowerOfTwo",
+    "RoundRobin",
+    "RoutingPolicy",
+    "SglangRouterCacheAware",
+    "WorkerPool",
+    "check_routing_name",
+    "make_routing_policy",
+]
