@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from envs.hardware import BYTES_PER_PARAM, GPUSpec, ModelSpec, get_gpu, get_model
+from envs.hardware import BYTES_PER_PARAM, GPUSpec, ModelSpec, SettingError, get_gpu, get_model
 
 ACTIVATION_BYTES = 2  # activations and attention math run in BF16 everywhere we model
 DEFAULT_ITERATION_OVERHEAD_S = 8.7e-4
@@ -207,13 +207,8 @@ def weight_bytes(model: ModelSpec, ep: int = 1, dp_attention: int = 1) -> float:
     return routed + dp_attention * replicated
 
 
-class ParallelismError(ValueError):
-    """A parallel layout the model cannot be split into; ``field`` names the offending argument
-    (``tp``, ``ep`` or ``dp_attention``) so a command line can name its flag."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+class ParallelismError(SettingError):
+    """A parallel layout the model cannot be split into (``field`` is ``tp``, ``ep`` or ``dp_attention``)."""
 
 
 def check_parallelism(model: ModelSpec, gpu: GPUSpec, tp: int, ep: int = 1, dp_attention: int = 1) -> None:
@@ -226,46 +221,47 @@ def check_parallelism(model: ModelSpec, gpu: GPUSpec, tp: int, ep: int = 1, dp_a
     """
     for name, value in (("tp", tp), ("ep", ep), ("dp_attention", dp_attention)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ParallelismError(name, f"{name} must be a positive integer, got {value!r}")
+            raise ParallelismError(name, value, "must be a positive integer")
     if tp % dp_attention:
-        raise ParallelismError("dp_attention", f"dp_attention={dp_attention} does not divide tp={tp}")
-    if not model.is_moe and (ep > 1 or dp_attention > 1):
-        field = "ep" if ep > 1 else "dp_attention"
-        raise ParallelismError(
-            field,
-            f"{field}={ep if ep > 1 else dp_attention}: {model.name} is not an MoE model (use more workers)",
-        )
+        raise ParallelismError("dp_attention", dp_attention, f"does not divide tp={tp}")
+    for name, value in (("ep", ep), ("dp_attention", dp_attention)):
+        if value > 1 and not model.is_moe:
+            raise ParallelismError(name, value, f"{model.name} is not an MoE model (use more workers)")
     attn_tp = tp // dp_attention
-    where = f"tp={tp}" + (f" / dp_attention={dp_attention}" if dp_attention > 1 else "")
+    group = f"{attn_tp} GPUs" + (f" (tp={tp} / dp_attention={dp_attention})" if dp_attention > 1 else "")
     if model.q_heads % attn_tp:
         raise ParallelismError(
-            "tp", f"{where}: {model.name}'s {model.q_heads} query heads do not split over {attn_tp} GPUs"
+            "tp", tp, f"{model.name}'s {model.q_heads} query heads do not split over {group}"
         )
     if model.attention == "gqa" and model.kv_heads % attn_tp and attn_tp % model.kv_heads:
         raise ParallelismError(
             "tp",
-            f"{where}: {model.name}'s {model.kv_heads} KV heads neither split over nor replicate evenly "
-            f"onto {attn_tp} GPUs",
+            tp,
+            f"{model.name}'s {model.kv_heads} KV heads neither split over nor replicate onto {group}",
         )
     if attn_tp > gpu.gpus_per_node:
         raise ParallelismError(
             "tp",
-            f"{where}: tensor-parallel attention over {attn_tp} GPUs spans {gpu.name} NVLink domains of "
+            tp,
+            f"tensor-parallel attention over {group} spans {gpu.name} NVLink domains of "
             f"{gpu.gpus_per_node}; an all-reduce over the scale-out network is not modelled "
             "(use data-parallel attention)",
         )
     dense_width = model.intermediate if (model.dense_layers or not model.is_moe) else 0
     if dense_width % attn_tp:
         raise ParallelismError(
-            "tp", f"{where}: {model.name}'s dense FFN width {dense_width} does not split over {attn_tp} GPUs"
+            "tp", tp, f"{model.name}'s dense FFN width {dense_width} does not split over {group}"
         )
     if tp % ep:
-        raise ParallelismError("ep", f"ep={ep} does not divide tp={tp} (experts are spread over the worker)")
+        raise ParallelismError(
+            "ep", ep, f"does not divide tp={tp} (experts are spread over the worker's GPUs)"
+        )
     if model.is_moe and model.expert_intermediate % (tp // ep):
         raise ParallelismError(
             "tp",
-            f"tp={tp} / ep={ep}: {model.name}'s expert width {model.expert_intermediate} does not split "
-            f"over {tp // ep} GPUs",
+            tp,
+            f"{model.name}'s expert width {model.expert_intermediate} does not split over tp / ep = "
+            f"{tp // ep} GPUs",
         )
 
 

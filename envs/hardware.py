@@ -94,6 +94,18 @@ _ATTENTION_KNOBS: dict[str, float] = {
 }
 
 
+class SettingError(ValueError):
+    """A deployment setting the model or GPU cannot take: ``field`` (an argument name such as ``tp``
+    or ``dtype``) and its ``value`` name it, so a command line can name its flag; ``detail`` says why.
+    ``str()`` is ``"<field>=<value>: <detail>"``."""
+
+    def __init__(self, field: str, value: object, detail: str) -> None:
+        super().__init__(f"{field}={value}: {detail}")
+        self.field = field
+        self.value = value
+        self.detail = detail
+
+
 @dataclass(frozen=True, slots=True)
 class GPUSpec:
     """One accelerator. Throughputs are dense (no 2:4 sparsity), per GPU."""

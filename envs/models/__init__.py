@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, get_args
 
-from envs.hardware import GPUSpec, ModelSpec, Precision, get_gpu
+from envs.hardware import GPUSpec, ModelSpec, Precision, SettingError, get_gpu
 from envs.models.hf_config import ConfigError, default_name, read_config, spec_from_hf_config
 
 CATALOG_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
@@ -154,27 +154,29 @@ def with_precision(
     and router stay as the checkpoint has them) and a ``kv_dtype`` KV cache; ``None`` keeps the
     checkpoint's own precision.
 
-    Asking for FP8 or FP4 weights asks for that tensor-core path: ``ValueError`` on a GPU without it
+    Asking for FP8 or FP4 weights asks for that tensor-core path: ``SettingError`` on a GPU without it
     (a checkpoint shipped in a precision the GPU lacks, such as MXFP4 gpt-oss on Hopper, still runs
     weight-only without ``dtype``).
     """
     if dtype is not None:
         if dtype not in WEIGHT_PRECISIONS:
-            raise ValueError(
-                f"dtype: unknown weight precision {dtype!r}; choices: {', '.join(WEIGHT_PRECISIONS)}"
+            raise SettingError(
+                "dtype", dtype, f"unknown weight precision; choices: {', '.join(WEIGHT_PRECISIONS)}"
             )
-        native = {"bf16": gpu.bf16_tflops, "fp8": gpu.fp8_tflops, "fp4": gpu.fp4_tflops}[dtype]
-        if native <= 0:
-            have = [p for p in ("fp8", "fp4") if {"fp8": gpu.fp8_tflops, "fp4": gpu.fp4_tflops}[p] > 0]
-            raise ValueError(
-                f"dtype {dtype}: {gpu.name} has no {dtype.upper()} tensor cores"
-                + (f" (it has {', '.join(have)})" if have else " (BF16 only)")
+        native = {"bf16": gpu.bf16_tflops, "fp8": gpu.fp8_tflops, "fp4": gpu.fp4_tflops}
+        if native[dtype] <= 0:
+            have = [p for p in ("fp8", "fp4") if native[p] > 0]
+            raise SettingError(
+                "dtype",
+                dtype,
+                f"{gpu.name} has no {dtype.upper()} tensor cores"
+                + (f" (it has {', '.join(have)})" if have else " (BF16 only)"),
             )
         model = replace(model, weight_precision=dtype, dense_precision=dtype)
     if kv_dtype is not None:
         if kv_dtype not in KV_PRECISIONS:
-            raise ValueError(
-                f"kv_dtype: unknown KV precision {kv_dtype!r}; choices: {', '.join(KV_PRECISIONS)}"
+            raise SettingError(
+                "kv_dtype", kv_dtype, f"unknown KV precision; choices: {', '.join(KV_PRECISIONS)}"
             )
         model = replace(model, kv_precision=kv_dtype)
     return model
