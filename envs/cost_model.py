@@ -94,22 +94,49 @@ def allreduce_time_s(gpu: GPUSpec, size_bytes: np.ndarray, tp: int) -> np.ndarra
     return np.where(size_bytes > 0, gpu.allreduce_latency_s + wire_s, 0.0)
 
 
-def all_to_all_time_s(gpu: GPUSpec, bytes_per_gpu: np.ndarray, ep: int) -> np.ndarray:
-    """One MoE dispatch (or combine) over ``ep`` GPUs, each sending ``bytes_per_gpu``.
+def all_to_all_time_s(
+    gpu: GPUSpec,
+    tokens_per_gpu: np.ndarray,
+    bytes_per_token: float,
+    top_k: int,
+    ep: int,
+    *,
+    per_node: bool = False,
+) -> np.ndarray:
+    """One MoE dispatch (or combine) over ``ep`` GPUs, each holding ``tokens_per_gpu`` tokens routed to
+    ``top_k`` experts spread uniformly over the ranks (uniform routing, balanced ranks).
 
-    Destinations are uniform over the ``ep`` ranks (uniform routing): a ``1/ep`` share stays on the
-    GPU, ``(local - 1)/ep`` crosses NVLink (``local = min(ep, gpus_per_node)``) and the rest the
-    scale-out network; the two links run in parallel, so the slower share sets the time:
+    A ``1/ep`` share of the copies stays on the GPU, ``(local - 1)/ep`` crosses NVLink
+    (``local = min(ep, gpus_per_node)``) and the rest the scale-out network, both links in parallel:
     ``latency + max(nvlink_bytes / (nvlink_bw * eff_nvl), rdma_bytes / (rdma_bw * eff_rdma))``.
+    ``per_node`` is DeepEP's high-throughput (prefill) kernel, which sends a token once per remote
+    node and forwards it over NVLink there: ``(nodes - 1) * (1 - (1 - 1/nodes)^top_k)`` RDMA copies per
+    token instead of ``top_k * (ep - local) / ep`` (the low-latency decode kernel's per-expert sends).
     0 for ``ep == 1``. The knobs are DeepEP's published H800 figures, not a measurement of ours.
     """
-    size = np.asarray(bytes_per_gpu, dtype=np.float64)
+    tokens = np.asarray(tokens_per_gpu, dtype=np.float64)
     if ep <= 1:
-        return np.zeros_like(size)
+        return np.zeros_like(tokens)
     local = min(ep, gpu.gpus_per_node)
-    nvlink_s = size * (local - 1) / ep / (gpu.nvlink_gb_per_s * 1e9 * gpu.all_to_all_nvlink_efficiency)
-    rdma_s = size * (ep - local) / ep / (gpu.scale_out_gb_per_s * 1e9 * gpu.all_to_all_rdma_efficiency)
-    return np.where(size > 0, gpu.all_to_all_latency_s + np.maximum(nvlink_s, rdma_s), 0.0)
+    nodes = math.ceil(ep / gpu.gpus_per_node)
+    nvlink_copies = top_k * (local - 1) / ep
+    if per_node and nodes > 1:
+        rdma_copies = (nodes - 1) * -math.expm1(top_k * math.log1p(-1.0 / nodes))
+    else:
+        rdma_copies = top_k * (ep - local) / ep
+    nvlink_s = (
+        tokens
+        * nvlink_copies
+        * bytes_per_token
+        / (gpu.nvlink_gb_per_s * 1e9 * gpu.all_to_all_nvlink_efficiency)
+    )
+    rdma_s = (
+        tokens
+        * rdma_copies
+        * bytes_per_token
+        / (gpu.scale_out_gb_per_s * 1e9 * gpu.all_to_all_rdma_efficiency)
+    )
+    return np.where(tokens > 0, gpu.all_to_all_latency_s + np.maximum(nvlink_s, rdma_s), 0.0)
 
 
 def attention_prefill_time_s(
@@ -409,6 +436,11 @@ class CostModel:
         self._lm_head_table = self._lm_head_time_s(tokens)
         self._token_list: list[float] = self._token_table.tolist()
         self._lm_head_list: list[float] = self._lm_head_table.tolist()
+        self._all_to_all = dp_attention > 1
+        self._a2a_prefill_table = self.moe_communication_s(tokens, prefill=True)
+        self._a2a_decode_table = self.moe_communication_s(tokens, prefill=False)
+        self._a2a_prefill_list: list[float] = self._a2a_prefill_table.tolist()
+        self._a2a_decode_list: list[float] = self._a2a_decode_table.tolist()
 
     # -- construction helpers --------------------------------------------------------------------
 
@@ -419,22 +451,28 @@ class CostModel:
         qkv_width = sum(n for _, n in attention_projection_shapes(m, tp))
         return ACTIVATION_RESERVE_TOKENS * ACTIVATION_BYTES * (4 * m.hidden + qkv_width + ffn_width)
 
-    def moe_communication_s(self, tokens: np.ndarray) -> np.ndarray:
-        """Dispatch + combine of one MoE layer for a worker batch of ``tokens`` (0 without DP attention).
+    def moe_communication_s(self, tokens: np.ndarray, prefill: bool) -> np.ndarray:
+        """Dispatch + combine of every MoE layer for a worker batch of ``tokens`` (0 without DP attention).
 
         Each GPU sends its ``tokens / tp`` tokens to their ``top-k`` experts: FP8 activations when the
         experts run on FP8/FP4 tensor cores (DeepEP's FP8 dispatch), BF16 otherwise; the combine
-        returns them in BF16.
+        returns them in BF16. Iterations with prefill use the high-throughput kernel (one RDMA copy per
+        remote node), decode-only ones the low-latency kernel (one per expert), as SGLang's
+        ``--deepep-mode auto`` does.
         """
         m, gpu = self.model, self.gpu
+        tokens = np.asarray(tokens, dtype=np.float64)
         if self.dp_attention == 1:
-            return np.zeros_like(np.asarray(tokens, dtype=np.float64))
+            return np.zeros_like(tokens)
         low_precision = m.weight_precision != "bf16" and gpu.fp8_tflops > 0
-        dispatch_bytes = 1.0 if low_precision else float(ACTIVATION_BYTES)
-        copies = np.asarray(tokens, dtype=np.float64) / self.tp * m.active_experts * m.hidden
-        return all_to_all_time_s(gpu, copies * dispatch_bytes, self.ep) + all_to_all_time_s(
-            gpu, copies * ACTIVATION_BYTES, self.ep
+        dispatch_bytes = (1.0 if low_precision else float(ACTIVATION_BYTES)) * m.hidden
+        per_gpu = tokens / self.tp
+        layer_s = all_to_all_time_s(
+            gpu, per_gpu, dispatch_bytes, m.active_experts, self.ep, per_node=prefill
+        ) + all_to_all_time_s(
+            gpu, per_gpu, ACTIVATION_BYTES * m.hidden, m.active_experts, self.ep, per_node=prefill
         )
+        return np.asarray(m.moe_layers * layer_s)
 
     def _token_time_s(self, tokens: np.ndarray) -> np.ndarray:
         """Linear layers, element-wise kernels and communication of all layers for ``tokens`` batch tokens."""
@@ -522,10 +560,9 @@ class CostModel:
         )
         shared_s = dense_ffn_s(m.shared_experts * ie) if m.shared_experts else 0.0
         # Without DP attention the experts' partial outputs are summed by the layer's second all-reduce;
-        # with it, the combine does that and only the attention output is all-reduced (in its replica).
-        communication_s = (
-            2.0 * one_allreduce_s if dp == 1 else one_allreduce_s + self.moe_communication_s(tokens)
-        )
+        # with it, the combine does that (``moe_communication_s``, added per iteration since its kernel
+        # depends on the batch kind) and only the attention output is all-reduced (in its replica).
+        communication_s = 2.0 * one_allreduce_s if dp == 1 else one_allreduce_s
         moe_layer_s = (
             attention_s
             + communication_s
@@ -586,10 +623,14 @@ class CostModel:
         logits_rows = decode_batch + (1 if new_tokens else 0)
         if tokens <= TABLE_TOKENS:
             total_s = self._token_list[tokens] + self._lm_head_list[logits_rows]
+            if self._all_to_all:
+                total_s += (self._a2a_prefill_list if new_tokens else self._a2a_decode_list)[tokens]
         else:
+            big = np.array([float(tokens)])
             total_s = float(
-                self._token_time_s(np.array([float(tokens)]))[0]
+                self._token_time_s(big)[0]
                 + self._lm_head_time_s(np.array([float(logits_rows)]))[0]
+                + self.moe_communication_s(big, prefill=new_tokens > 0)[0]
             )
         if new_tokens:
             window_pairs = new_tokens * self._sliding_window_tokens
@@ -636,6 +677,13 @@ class CostModel:
             big = ~small
             total[big] = self._token_time_s(tokens[big].astype(np.float64)) + self._lm_head_time_s(
                 logits_rows[big].astype(np.float64)
+            )
+        if self._all_to_all:
+            as_float = tokens.astype(np.float64)
+            total += np.where(
+                new > 0,
+                self.moe_communication_s(as_float, prefill=True),
+                self.moe_communication_s(as_float, prefill=False),
             )
         window_pairs = new * self._sliding_window_tokens
         total += np.where(
