@@ -34,6 +34,14 @@ SOURCES = {
 }
 
 
+ENGINES = {"trtllm": "TensorRT-LLM", "lmsys": "SGLang"}
+FIGURES = {
+    "offline": "output tok/s, offline",
+    "prefill": "input tok/s per node, prefill",
+    "decode": "output tok/s per node, decode",
+}
+
+
 @dataclass(frozen=True)
 class Published:
     """One published figure and the setup it states."""
@@ -198,11 +206,23 @@ def offline_output_tokens_per_s(
 
 
 def ours(
-    row: Published, *, max_batch: int = 2048, max_num_tokens: int = 8192, kv_dtype: Precision | None = None
+    row: Published,
+    *,
+    max_batch: int = 2048,
+    max_num_tokens: int = 8192,
+    kv_dtype: Precision | None = None,
+    iteration_overhead_s: float | None = None,
 ) -> float:
     """The cost model's figure for ``row``'s setup (see the module docstring)."""
     spec = resolve_model(row.model, row.gpu, kv_dtype=kv_dtype or row.kv_dtype)
-    cm = CostModel(row.gpu, spec, row.tp, ep=row.ep, dp_attention=row.dp_attention)
+    cm = CostModel(
+        row.gpu,
+        spec,
+        row.tp,
+        ep=row.ep,
+        dp_attention=row.dp_attention,
+        iteration_overhead_s=iteration_overhead_s,
+    )
     nodes = row.tp / 8
     if row.kind == "offline":
         return offline_output_tokens_per_s(
@@ -233,30 +253,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-num-tokens", type=int, default=8192, help="offline engine's token budget (8192)"
     )
+    parser.add_argument(
+        "--iteration-overhead-s",
+        type=float,
+        default=None,
+        help="CPU cost per iteration (default: the cost model's, 0.87 ms; 0 for an engine that overlaps it)",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     print(
-        "| source | engine setup | GPU | model | precision | ISL / OSL | published | ours | ratio "
+        "| engine | figure | setup | GPU | model | weights | ISL / OSL | published | ours, BF16 KV | ratio "
         "| ours, FP8 KV | ratio |"
     )
-    print("| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     ratios: dict[str, list[float]] = {}
     for row in PUBLISHED:
         kv_choices: tuple[Precision, ...] = ("bf16", "fp8") if row.kind == "offline" else ("bf16",)
         figures = [
-            ours(row, max_batch=args.max_batch, max_num_tokens=args.max_num_tokens, kv_dtype=kv)
+            ours(
+                row,
+                max_batch=args.max_batch,
+                max_num_tokens=args.max_num_tokens,
+                kv_dtype=kv,
+                iteration_overhead_s=args.iteration_overhead_s,
+            )
             for kv in kv_choices
         ]
         spec = resolve_model(row.model, row.gpu)
         cells = [f"{f:,.0f} | {f / row.figure:.2f}" for f in figures] + ["– | –"] * (2 - len(figures))
         for kv, f in zip(kv_choices, figures, strict=True):
-            ratios.setdefault(f"{row.source}/{row.kind}/{kv}", []).append(f / row.figure)
-        io = f"{row.input_tokens} / {row.output_tokens if row.kind != 'prefill' else '–'}"
-        metric = {"offline": "output tok/s", "prefill": "input tok/s/node", "decode": "output tok/s/node"}[
-            row.kind
-        ]
+            ratios.setdefault(f"{ENGINES[row.source]} {row.kind}, {kv} KV", []).append(f / row.figure)
+        io = {
+            "offline": f"{row.input_tokens} / {row.output_tokens}",
+            "prefill": f"{row.input_tokens} / –",
+            "decode": f"KV {row.input_tokens}",
+        }[row.kind]
         print(
-            f"| {row.source} {row.kind} ({metric}) | {row.label()} | {row.gpu} | {row.model} | "
+            f"| {ENGINES[row.source]} | {FIGURES[row.kind]} | {row.label()} | {row.gpu} | {row.model} | "
             f"{spec.weight_precision} | {io} | {row.figure:,.0f} | {' | '.join(cells)} |"
         )
     print()

@@ -1,13 +1,18 @@
-"""GPU and model catalog for the cost model.
+"""GPU catalog and the model spec type of the cost model.
 
-Two frozen dataclasses and two registries. ``GPUSpec`` holds public datasheet numbers (dense tensor
-throughput without sparsity, HBM size and bandwidth, NVLink bandwidth per direction) plus efficiency
-knobs fitted by ``envs.calibration`` to Vidur's H100 / A100 operator measurements. H200, B200 and GB300
-were never measured here: they reuse the H100 efficiency knobs (same software stack, same kind of
-tensor cores), so their timings are datasheet extrapolations. ``ModelSpec`` holds the architecture
-numbers the cost model needs; ``docs/cost_model.md`` lists the source of each entry.
+``GPUSpec`` holds public datasheet numbers (dense tensor throughput without sparsity, HBM size and
+bandwidth, NVLink bandwidth per direction, NVLink domain size and scale-out NIC bandwidth) plus
+efficiency knobs fitted by ``envs.calibration`` to Vidur's H100 / A100 operator measurements. H200,
+B200 and GB300 were never measured here: they reuse the H100 efficiency knobs (same software stack,
+same kind of tensor cores), so their timings are datasheet extrapolations. The all-to-all knobs come
+from DeepEP's published H800 figures and are measured on no GPU here.
 
-Look-ups are case-insensitive and accept aliases: ``get_gpu("h200")``, ``get_model("gpt-oss")``.
+``ModelSpec`` holds the architecture numbers the cost model needs. The model catalog is a folder of
+Hugging Face configs read by ``envs.models`` (``MODELS`` and ``get_model`` here delegate to it);
+``docs/cost_model.md`` lists the source of each entry.
+
+Look-ups are case-insensitive and accept aliases: ``get_gpu("h200")``, ``get_model("gpt-oss")``;
+``get_model`` also takes the path of a ``config.json``.
 """
 
 from __future__ import annotations
