@@ -6,7 +6,7 @@ Three steps, each a function:
   e2d00e9 A100 attention set) and subsamples them into the small CSVs shipped in
   ``envs/data/calibration/`` (one row per measurement, median milliseconds per layer per GPU).
 * ``fit_knobs(points)`` fits the ``GPUSpec`` efficiency knobs on those points; the result is pasted
-  into ``envs/hardware.py`` (the catalog keeps literals so it needs no file at import).
+  into ``envs/hardware.py`` (the GPU catalog keeps literals so it needs no file at import).
 * ``evaluate(points)`` predicts every shipped point with the catalog GPUs through the very operator
   functions ``CostModel`` uses, and ``accuracy_table`` summarises the error per GPU and operator.
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from envs.hardware import BYTES_PER_PARAM, GPUSpec, ModelSpec, get_gpu, get_model
+from envs.hardware import BYTES_PER_PARAM, GPUSpec, ModelSpec, SettingError, get_gpu, get_model
 
 ACTIVATION_BYTES = 2  # activations and attention math run in BF16 everywhere we model
 DEFAULT_ITERATION_OVERHEAD_S = 8.7e-4
@@ -94,6 +94,51 @@ def allreduce_time_s(gpu: GPUSpec, size_bytes: np.ndarray, tp: int) -> np.ndarra
     return np.where(size_bytes > 0, gpu.allreduce_latency_s + wire_s, 0.0)
 
 
+def all_to_all_time_s(
+    gpu: GPUSpec,
+    tokens_per_gpu: np.ndarray,
+    bytes_per_token: float,
+    top_k: int,
+    ep: int,
+    *,
+    per_node: bool = False,
+) -> np.ndarray:
+    """One MoE dispatch (or combine) over ``ep`` GPUs, each holding ``tokens_per_gpu`` tokens routed to
+    ``top_k`` experts spread uniformly over the ranks (uniform routing, balanced ranks).
+
+    A ``1/ep`` share of the copies stays on the GPU, ``(local - 1)/ep`` crosses NVLink
+    (``local = min(ep, gpus_per_node)``) and the rest the scale-out network, both links in parallel:
+    ``latency + max(nvlink_bytes / (nvlink_bw * eff_nvl), rdma_bytes / (rdma_bw * eff_rdma))``.
+    ``per_node`` is DeepEP's high-throughput (prefill) kernel, which sends a token once per remote
+    node and forwards it over NVLink there: ``(nodes - 1) * (1 - (1 - 1/nodes)^top_k)`` RDMA copies per
+    token instead of ``top_k * (ep - local) / ep`` (the low-latency decode kernel's per-expert sends).
+    0 for ``ep == 1``. The knobs are DeepEP's published H800 figures, not a measurement of ours.
+    """
+    tokens = np.asarray(tokens_per_gpu, dtype=np.float64)
+    if ep <= 1:
+        return np.zeros_like(tokens)
+    local = min(ep, gpu.gpus_per_node)
+    nodes = math.ceil(ep / gpu.gpus_per_node)
+    nvlink_copies = top_k * (local - 1) / ep
+    if per_node and nodes > 1:
+        rdma_copies = (nodes - 1) * -math.expm1(top_k * math.log1p(-1.0 / nodes))
+    else:
+        rdma_copies = top_k * (ep - local) / ep
+    nvlink_s = (
+        tokens
+        * nvlink_copies
+        * bytes_per_token
+        / (gpu.nvlink_gb_per_s * 1e9 * gpu.all_to_all_nvlink_efficiency)
+    )
+    rdma_s = (
+        tokens
+        * rdma_copies
+        * bytes_per_token
+        / (gpu.scale_out_gb_per_s * 1e9 * gpu.all_to_all_rdma_efficiency)
+    )
+    return np.where(tokens > 0, gpu.all_to_all_latency_s + np.maximum(nvlink_s, rdma_s), 0.0)
+
+
 def attention_prefill_time_s(
     gpu: GPUSpec, flops: np.ndarray, query_head_rows: np.ndarray | float = 0.0
 ) -> np.ndarray:
@@ -150,30 +195,101 @@ def attention_projection_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[flo
 
 
 def weight_params(model: ModelSpec) -> dict[str, float]:
-    """Parameter counts by group: attention, dense FFN, experts (routed + shared), router, embeddings."""
+    """Parameter counts by group: attention, dense FFN, routed and shared experts, router, embeddings."""
     ffn_mats = 3 if model.gated_mlp else 2
     attention = model.layers * sum(k * n for k, n in attention_projection_shapes(model, 1))
     dense_layers = model.dense_layers if model.is_moe else model.layers
     dense_ffn = dense_layers * ffn_mats * model.hidden * model.intermediate
     expert_size = ffn_mats * model.hidden * model.expert_intermediate
-    experts = model.moe_layers * (model.experts + model.shared_experts) * expert_size
     router = model.moe_layers * model.hidden * model.experts
     embeddings = model.vocab * model.hidden * (1 if model.tied_embeddings else 2)
     return {
         "attention": attention,
         "dense_ffn": dense_ffn,
-        "experts": experts,
+        "routed_experts": model.moe_layers * model.experts * expert_size,
+        "shared_experts": model.moe_layers * model.shared_experts * expert_size,
         "router": router,
         "embeddings": embeddings,
     }
 
 
-def weight_bytes(model: ModelSpec) -> float:
-    """Bytes of all weights: FFN/expert weights at ``weight_precision``, the rest at ``dense_precision``."""
+def weight_bytes(model: ModelSpec, ep: int = 1, dp_attention: int = 1) -> float:
+    """Bytes of all weights of one worker: FFN/expert weights at ``weight_precision``, attention at
+    ``dense_precision``, embeddings, LM head and router at ``embedding_precision``.
+
+    With data-parallel attention every weight but the routed experts is held once per attention
+    replica (``dp_attention`` copies: SGLang runs attention, dense FFN, shared experts and the LM head
+    data-parallel); routed experts are spread over ``ep`` ranks of ``ceil(experts / ep)`` slots each
+    (when ``ep`` does not divide the experts the spare slots hold redundant experts, as EPLB does).
+    """
     params = weight_params(model)
-    bulk = params["dense_ffn"] + params["experts"]
-    rest = params["attention"] + params["router"] + params["embeddings"]
-    return bulk * BYTES_PER_PARAM[model.weight_precision] + rest * BYTES_PER_PARAM[model.dense_precision]
+    ffn_bpp = BYTES_PER_PARAM[model.weight_precision]
+    slots = math.ceil(model.experts / ep) * ep if model.experts else 0
+    routed = params["routed_experts"] * (slots / model.experts if model.experts else 0.0) * ffn_bpp
+    replicated = (
+        (params["dense_ffn"] + params["shared_experts"]) * ffn_bpp
+        + params["attention"] * BYTES_PER_PARAM[model.dense_precision]
+        + (params["router"] + params["embeddings"]) * BYTES_PER_PARAM[model.embedding_precision]
+    )
+    return routed + dp_attention * replicated
+
+
+class ParallelismError(SettingError):
+    """A parallel layout the model cannot be split into (``field`` is ``tp``, ``ep`` or ``dp_attention``)."""
+
+
+def check_parallelism(model: ModelSpec, gpu: GPUSpec, tp: int, ep: int = 1, dp_attention: int = 1) -> None:
+    """Raise ``ParallelismError`` unless ``model`` splits over ``tp`` GPUs as SGLang would split it.
+
+    Attention runs on ``tp / dp_attention`` GPUs per replica: its query heads must divide evenly, and
+    GQA KV heads must divide or be replicated evenly; that group must fit in one NVLink domain (an
+    all-reduce over the scale-out network is not modelled). Experts are spread over ``ep`` ranks, each
+    expert split over ``tp / ep`` GPUs. ``ep`` and ``dp_attention`` are for MoE models only.
+    """
+    for name, value in (("tp", tp), ("ep", ep), ("dp_attention", dp_attention)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ParallelismError(name, value, "must be a positive integer")
+    if tp % dp_attention:
+        raise ParallelismError("dp_attention", dp_attention, f"does not divide tp={tp}")
+    for name, value in (("ep", ep), ("dp_attention", dp_attention)):
+        if value > 1 and not model.is_moe:
+            raise ParallelismError(name, value, f"{model.name} is not an MoE model (use more workers)")
+    attn_tp = tp // dp_attention
+    group = f"{attn_tp} GPUs" + (f" (tp={tp} / dp_attention={dp_attention})" if dp_attention > 1 else "")
+    if model.q_heads % attn_tp:
+        raise ParallelismError(
+            "tp", tp, f"{model.name}'s {model.q_heads} query heads do not split over {group}"
+        )
+    if model.attention == "gqa" and model.kv_heads % attn_tp and attn_tp % model.kv_heads:
+        raise ParallelismError(
+            "tp",
+            tp,
+            f"{model.name}'s {model.kv_heads} KV heads neither split over nor replicate onto {group}",
+        )
+    if attn_tp > gpu.gpus_per_node:
+        raise ParallelismError(
+            "tp",
+            tp,
+            f"tensor-parallel attention over {group} spans {gpu.name} NVLink domains of "
+            f"{gpu.gpus_per_node}; an all-reduce over the scale-out network is not modelled "
+            "(use data-parallel attention)",
+        )
+    dense_width = model.intermediate if (model.dense_layers or not model.is_moe) else 0
+    if dense_width % attn_tp:
+        raise ParallelismError(
+            "tp", tp, f"{model.name}'s dense FFN width {dense_width} does not split over {group}"
+        )
+    if tp % ep:
+        raise ParallelismError(
+            "ep", ep, f"does not divide tp={tp} (experts are spread over the worker's GPUs)"
+        )
+    if model.is_moe and model.expert_intermediate % (tp // ep):
+        raise ParallelismError(
+            "tp",
+            tp,
+            f"{model.name}'s expert width {model.expert_intermediate} does not split over tp / ep = "
+            f"{tp // ep} GPUs",
+        )
 
 
 def kv_bytes_per_token_per_gpu_layer(model: ModelSpec, tp: int) -> float:
@@ -218,13 +334,22 @@ class CostModel:
 
     Args:
         gpu: a ``GPUSpec`` or a catalog name (``"H200"``).
-        model: a ``ModelSpec`` or a catalog name (``"gpt-oss-120b"``).
-        tp: tensor-parallel degree (GPUs per worker).
+        model: a ``ModelSpec``, a catalog name (``"gpt-oss-120b"``) or a ``config.json`` path.
+        tp: GPUs per worker (the tensor-parallel degree when neither ``ep`` nor ``dp_attention`` is set).
+        ep: expert-parallel degree (MoE only): routed experts are spread over ``ep`` ranks, each expert
+            split over ``tp / ep`` GPUs. Without data-parallel attention the experts' outputs are summed
+            by the TP all-reduce, as today's SGLang EP MoE does.
+        dp_attention: data-parallel attention degree (MoE only, SGLang ``--enable-dp-attention --dp``):
+            attention, dense FFN, shared experts and LM head run as ``dp_attention`` replicas of
+            ``tp / dp_attention`` GPUs, each on an equal share of the batch (balanced ranks assumed); the
+            routed experts are reached by an all-to-all dispatch and combine (``all_to_all_time_s``).
         kv_memory_fraction: share of HBM the serving engine may use for weights + KV cache (SGLang's
             ``mem_fraction_static``).
         iteration_overhead_s: fixed CPU cost per iteration; ``None`` uses ``DEFAULT_ITERATION_OVERHEAD_S``.
 
     Raises:
+        ParallelismError: the model does not split over ``tp``, ``ep``, ``dp_attention`` (``field``
+            names which).
         ValueError: bad arguments, or the weights plus activation reserve do not fit in the memory.
     """
 
@@ -234,28 +359,33 @@ class CostModel:
         model: ModelSpec | str,
         tp: int = 1,
         *,
+        ep: int = 1,
+        dp_attention: int = 1,
         kv_memory_fraction: float = 0.9,
         iteration_overhead_s: float | None = None,
     ) -> None:
         self.gpu: GPUSpec = get_gpu(gpu) if isinstance(gpu, str) else gpu
         self.model: ModelSpec = get_model(model) if isinstance(model, str) else model
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp must be a positive int, got {tp!r}")
+        check_parallelism(self.model, self.gpu, tp, ep, dp_attention)
         if not 0.0 < kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
         if iteration_overhead_s is not None and iteration_overhead_s < 0:
             raise ValueError(f"iteration_overhead_s must be >= 0, got {iteration_overhead_s}")
         self.tp: int = tp
+        self.ep: int = ep
+        self.dp_attention: int = dp_attention
+        self.attention_tp: int = tp // dp_attention
+        """GPUs of one attention replica."""
         self.iteration_overhead_s: float = (
             DEFAULT_ITERATION_OVERHEAD_S if iteration_overhead_s is None else iteration_overhead_s
         )
-        m = self.model
+        m, attn_tp, dp = self.model, self.attention_tp, dp_attention
 
-        per_gpu_layer = kv_bytes_per_token_per_gpu_layer(m, tp)
+        per_gpu_layer = kv_bytes_per_token_per_gpu_layer(m, attn_tp)
         kv_layers = m.layers if m.attention == "mla" else m.full_attention_layers
-        self.kv_bytes_per_token: int = round(per_gpu_layer * kv_layers * tp)
+        self.kv_bytes_per_token: int = round(per_gpu_layer * kv_layers * attn_tp)
         self.kv_transfer_bytes_per_token: float = kv_transfer_bytes_per_token(m)
-        self.weight_bytes: float = weight_bytes(m)
+        self.weight_bytes: float = weight_bytes(m, ep, dp)
         self.activation_reserve_bytes: float = tp * (RUNTIME_RESERVE_BYTES_PER_GPU + self._activation_bytes())
         budget_bytes = self.gpu.hbm_bytes * tp * kv_memory_fraction
         free_bytes = budget_bytes - self.weight_bytes - self.activation_reserve_bytes
@@ -268,8 +398,9 @@ class CostModel:
             )
         self.kv_capacity_tokens: int = int(free_bytes // self.kv_bytes_per_token)
 
-        # Per-pair / per-context-token coefficients of the attention terms (all layers, one GPU).
-        hq_gpu = m.q_heads / tp
+        # Per-pair / per-context-token coefficients of the attention terms (all layers, one GPU). With
+        # data-parallel attention each replica sees 1/dp of the pairs, contexts and requests.
+        hq_gpu = m.q_heads / attn_tp
         self._prefill_flops_per_pair = 2.0 * hq_gpu * (m.head_dim + m.value_head_dim)
         self._sliding_window_tokens = float(m.sliding_window_tokens)
         if m.attention == "mla":
@@ -284,19 +415,19 @@ class CostModel:
         read_s = per_gpu_layer / (self.gpu.hbm_bytes_per_s * self.gpu.attention_decode_memory_efficiency)
         math_s = decode_flops_per_ctx / (self.gpu.bf16_tflops * 1e12 * self.gpu.attention_prefill_efficiency)
         per_ctx_layer_s = max(read_s, math_s)
-        self._decode_s_per_ctx_token = kv_layers * per_ctx_layer_s
+        self._decode_s_per_ctx_token = kv_layers * per_ctx_layer_s / dp
         self._decode_s_per_request = (
             m.layers * self.gpu.attention_decode_per_request_s
             + self._sliding_layers * self._sliding_window_tokens * per_ctx_layer_s
-        )
+        ) / dp
         self._decode_fixed_s = m.layers * self.gpu.attention_decode_launch_s
         prefill_pair_s = self._prefill_flops_per_pair / (
             self.gpu.bf16_tflops * 1e12 * self.gpu.attention_prefill_efficiency
         )
-        self._prefill_s_per_pair_full = kv_layers * prefill_pair_s
-        self._prefill_s_per_pair_sliding = self._sliding_layers * prefill_pair_s
+        self._prefill_s_per_pair_full = kv_layers * prefill_pair_s / dp
+        self._prefill_s_per_pair_sliding = self._sliding_layers * prefill_pair_s / dp
         self._prefill_fixed_s = m.layers * self.gpu.attention_prefill_launch_s
-        self._prefill_s_per_token = m.layers * hq_gpu * self.gpu.attention_prefill_row_s
+        self._prefill_s_per_token = m.layers * hq_gpu * self.gpu.attention_prefill_row_s / dp
 
         # Tabulate everything that depends only on the batch's token count (python lists: fastest
         # scalar indexing on the hot path).
@@ -305,108 +436,140 @@ class CostModel:
         self._lm_head_table = self._lm_head_time_s(tokens)
         self._token_list: list[float] = self._token_table.tolist()
         self._lm_head_list: list[float] = self._lm_head_table.tolist()
+        self._all_to_all = dp_attention > 1
+        self._a2a_prefill_table = self.moe_communication_s(tokens, prefill=True)
+        self._a2a_decode_table = self.moe_communication_s(tokens, prefill=False)
+        self._a2a_prefill_list: list[float] = self._a2a_prefill_table.tolist()
+        self._a2a_decode_list: list[float] = self._a2a_decode_table.tolist()
 
     # -- construction helpers --------------------------------------------------------------------
 
     def _activation_bytes(self) -> float:
         """Per-GPU activation workspace for an ``ACTIVATION_RESERVE_TOKENS`` chunk (a few live buffers)."""
-        m, tp = self.model, self.tp
+        m, tp = self.model, self.attention_tp
         ffn_width = max(m.intermediate, m.active_experts * m.expert_intermediate) * 2 / tp
         qkv_width = sum(n for _, n in attention_projection_shapes(m, tp))
         return ACTIVATION_RESERVE_TOKENS * ACTIVATION_BYTES * (4 * m.hidden + qkv_width + ffn_width)
 
+    def moe_communication_s(self, tokens: np.ndarray, prefill: bool) -> np.ndarray:
+        """Dispatch + combine of every MoE layer for a worker batch of ``tokens`` (0 without DP attention).
+
+        Each GPU sends its ``tokens / tp`` tokens to their ``top-k`` experts: FP8 activations when the
+        experts run on FP8/FP4 tensor cores (DeepEP's FP8 dispatch), BF16 otherwise; the combine
+        returns them in BF16. Iterations with prefill use the high-throughput kernel (one RDMA copy per
+        remote node), decode-only ones the low-latency kernel (one per expert), as SGLang's
+        ``--deepep-mode auto`` does.
+        """
+        m, gpu = self.model, self.gpu
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if self.dp_attention == 1:
+            return np.zeros_like(tokens)
+        low_precision = m.weight_precision != "bf16" and gpu.fp8_tflops > 0
+        dispatch_bytes = (1.0 if low_precision else float(ACTIVATION_BYTES)) * m.hidden
+        per_gpu = tokens / self.tp
+        layer_s = all_to_all_time_s(
+            gpu, per_gpu, dispatch_bytes, m.active_experts, self.ep, per_node=prefill
+        ) + all_to_all_time_s(
+            gpu, per_gpu, ACTIVATION_BYTES * m.hidden, m.active_experts, self.ep, per_node=prefill
+        )
+        return np.asarray(m.moe_layers * layer_s)
+
     def _token_time_s(self, tokens: np.ndarray) -> np.ndarray:
-        """Linear layers, element-wise kernels and all-reduces of all layers for ``tokens`` batch tokens."""
-        m, gpu, tp = self.model, self.gpu, self.tp
+        """Linear layers, element-wise kernels and communication of all layers for ``tokens`` batch tokens."""
+        m, gpu, tp, dp, attn_tp, ep = (
+            self.model,
+            self.gpu,
+            self.tp,
+            self.dp_attention,
+            self.attention_tp,
+            self.ep,
+        )
         dense_peak = gpu.peak_flops_per_s(m.dense_precision)
         dense_bpp = BYTES_PER_PARAM[m.dense_precision]
         ffn_peak = gpu.peak_flops_per_s(m.weight_precision)
         ffn_bpp = BYTES_PER_PARAM[m.weight_precision]
+        router_peak = gpu.peak_flops_per_s(m.embedding_precision)
+        router_bpp = BYTES_PER_PARAM[m.embedding_precision]
+        local = tokens / dp  # tokens of one attention replica
 
         attention_s = sum(
-            gemm_time_s(gpu, tokens, k, n, weight_bytes_per_param=dense_bpp, peak_flops_per_s=dense_peak)
-            for k, n in attention_projection_shapes(m, tp)
+            gemm_time_s(gpu, local, k, n, weight_bytes_per_param=dense_bpp, peak_flops_per_s=dense_peak)
+            for k, n in attention_projection_shapes(m, attn_tp)
         )
-        qk_heads_gpu = m.q_heads / tp + (1.0 if m.attention == "mla" else max(m.kv_heads / tp, 1.0))
-        allreduce_s = 2.0 * allreduce_time_s(gpu, tokens * m.hidden * ACTIVATION_BYTES, tp)
+        qk_heads_gpu = m.q_heads / attn_tp + (1.0 if m.attention == "mla" else max(m.kv_heads / attn_tp, 1.0))
+        one_allreduce_s = allreduce_time_s(gpu, local * m.hidden * ACTIVATION_BYTES, attn_tp)
         up = 2 if m.gated_mlp else 1
 
         def dense_ffn_s(width: float) -> np.ndarray:
             return gemm_time_s(
                 gpu,
-                tokens,
+                local,
                 m.hidden,
-                up * width / tp,
+                up * width / attn_tp,
                 weight_bytes_per_param=ffn_bpp,
                 peak_flops_per_s=ffn_peak,
             ) + gemm_time_s(
-                gpu, tokens, width / tp, m.hidden, weight_bytes_per_param=ffn_bpp, peak_flops_per_s=ffn_peak
+                gpu,
+                local,
+                width / attn_tp,
+                m.hidden,
+                weight_bytes_per_param=ffn_bpp,
+                peak_flops_per_s=ffn_peak,
             )
 
-        common_s = attention_s + allreduce_s
-        if not m.is_moe:
-            layer_s = (
-                common_s
-                + dense_ffn_s(m.intermediate)
-                + elementwise_time_s(
-                    gpu,
-                    tokens,
-                    elementwise_bytes_per_token(
-                        m.hidden, qk_heads_gpu, m.head_dim, m.intermediate / tp, m.gated_mlp
-                    ),
-                )
+        def elementwise_s(ffn_width: float) -> np.ndarray:
+            per_token = elementwise_bytes_per_token(
+                m.hidden, qk_heads_gpu, m.head_dim, ffn_width, m.gated_mlp
             )
-            return np.asarray(m.layers * layer_s)
+            return elementwise_time_s(gpu, local, per_token)
+
+        dense_layer_s = attention_s + 2.0 * one_allreduce_s
+        if m.intermediate:
+            dense_layer_s = (
+                dense_layer_s + dense_ffn_s(m.intermediate) + elementwise_s(m.intermediate / attn_tp)
+            )
+        if not m.is_moe:
+            return np.asarray(m.layers * dense_layer_s)
 
         total = np.zeros_like(tokens)
         if m.dense_layers:
-            dense_layer_s = (
-                common_s
-                + dense_ffn_s(m.intermediate)
-                + elementwise_time_s(
-                    gpu,
-                    tokens,
-                    elementwise_bytes_per_token(
-                        m.hidden, qk_heads_gpu, m.head_dim, m.intermediate / tp, m.gated_mlp
-                    ),
-                )
-            )
             total += m.dense_layers * dense_layer_s
-        rows = tokens * m.active_experts
-        active = expected_active_experts(m.experts, m.active_experts, tokens)
-        ie = m.expert_intermediate
+        # Routed experts: each of the ep ranks holds 1/ep of the experts, hit by 1/ep of the routed rows.
+        rows = tokens * m.active_experts / ep
+        active = expected_active_experts(m.experts, m.active_experts, tokens) / ep
+        ie, expert_tp = m.expert_intermediate, tp // ep
         experts_s = gemm_time_s(
             gpu,
             rows,
             m.hidden,
-            up * ie / tp,
+            up * ie / expert_tp,
             matrices=active,
             weight_bytes_per_param=ffn_bpp,
             peak_flops_per_s=ffn_peak,
         ) + gemm_time_s(
             gpu,
             rows,
-            ie / tp,
+            ie / expert_tp,
             m.hidden,
             matrices=active,
             weight_bytes_per_param=ffn_bpp,
             peak_flops_per_s=ffn_peak,
         )
         router_s = gemm_time_s(
-            gpu, tokens, m.hidden, m.experts, weight_bytes_per_param=dense_bpp, peak_flops_per_s=dense_peak
+            gpu, local, m.hidden, m.experts, weight_bytes_per_param=router_bpp, peak_flops_per_s=router_peak
         )
         shared_s = dense_ffn_s(m.shared_experts * ie) if m.shared_experts else 0.0
-        ffn_width_gpu = (m.active_experts + m.shared_experts) * ie / tp
+        # Without DP attention the experts' partial outputs are summed by the layer's second all-reduce;
+        # with it, the combine does that (``moe_communication_s``, added per iteration since its kernel
+        # depends on the batch kind) and only the attention output is all-reduced (in its replica).
+        communication_s = 2.0 * one_allreduce_s if dp == 1 else one_allreduce_s
         moe_layer_s = (
-            common_s
+            attention_s
+            + communication_s
             + experts_s
             + router_s
             + shared_s
-            + elementwise_time_s(
-                gpu,
-                tokens,
-                elementwise_bytes_per_token(m.hidden, qk_heads_gpu, m.head_dim, ffn_width_gpu, m.gated_mlp),
-            )
+            + elementwise_s((m.active_experts + m.shared_experts) * ie / attn_tp)
         )
         total += m.moe_layers * moe_layer_s
         return np.asarray(total)
@@ -415,11 +578,11 @@ class CostModel:
         m = self.model
         return gemm_time_s(
             self.gpu,
-            logits_rows,
+            logits_rows / self.dp_attention,
             m.hidden,
-            m.vocab / self.tp,
-            weight_bytes_per_param=BYTES_PER_PARAM[m.dense_precision],
-            peak_flops_per_s=self.gpu.peak_flops_per_s(m.dense_precision),
+            m.vocab / self.attention_tp,
+            weight_bytes_per_param=BYTES_PER_PARAM[m.embedding_precision],
+            peak_flops_per_s=self.gpu.peak_flops_per_s(m.embedding_precision),
         )
 
     # -- public API ------------------------------------------------------------------------------
@@ -460,10 +623,14 @@ class CostModel:
         logits_rows = decode_batch + (1 if new_tokens else 0)
         if tokens <= TABLE_TOKENS:
             total_s = self._token_list[tokens] + self._lm_head_list[logits_rows]
+            if self._all_to_all:
+                total_s += (self._a2a_prefill_list if new_tokens else self._a2a_decode_list)[tokens]
         else:
+            big = np.array([float(tokens)])
             total_s = float(
-                self._token_time_s(np.array([float(tokens)]))[0]
+                self._token_time_s(big)[0]
                 + self._lm_head_time_s(np.array([float(logits_rows)]))[0]
+                + self.moe_communication_s(big, prefill=new_tokens > 0)[0]
             )
         if new_tokens:
             window_pairs = new_tokens * self._sliding_window_tokens
@@ -510,6 +677,13 @@ class CostModel:
             big = ~small
             total[big] = self._token_time_s(tokens[big].astype(np.float64)) + self._lm_head_time_s(
                 logits_rows[big].astype(np.float64)
+            )
+        if self._all_to_all:
+            as_float = tokens.astype(np.float64)
+            total += np.where(
+                new > 0,
+                self.moe_communication_s(as_float, prefill=True),
+                self.moe_communication_s(as_float, prefill=False),
             )
         window_pairs = new * self._sliding_window_tokens
         total += np.where(
@@ -566,7 +740,10 @@ class CostModel:
         return latency_s + tokens * self.kv_transfer_bytes_per_token / bandwidth
 
     def __repr__(self) -> str:
+        parallel = (f", ep={self.ep}" if self.ep > 1 else "") + (
+            f", dp_attention={self.dp_attention}" if self.dp_attention > 1 else ""
+        )
         return (
-            f"CostModel({self.gpu.name}, {self.model.name}, tp={self.tp}, "
+            f"CostModel({self.gpu.name}, {self.model.name}, tp={self.tp}{parallel}, "
             f"kv_capacity_tokens={self.kv_capacity_tokens})"
         )

@@ -1,13 +1,18 @@
-"""GPU and model catalog for the cost model.
+"""GPU catalog and the model spec type of the cost model.
 
-Two frozen dataclasses and two registries. ``GPUSpec`` holds public datasheet numbers (dense tensor
-throughput without sparsity, HBM size and bandwidth, NVLink bandwidth per direction) plus efficiency
-knobs fitted by ``envs.calibration`` to Vidur's H100 / A100 operator measurements. H200, B200 and GB300
-were never measured here: they reuse the H100 efficiency knobs (same software stack, same kind of
-tensor cores), so their timings are datasheet extrapolations. ``ModelSpec`` holds the architecture
-numbers the cost model needs; ``docs/cost_model.md`` lists the source of each entry.
+``GPUSpec`` holds public datasheet numbers (dense tensor throughput without sparsity, HBM size and
+bandwidth, NVLink bandwidth per direction, NVLink domain size and scale-out NIC bandwidth) plus
+efficiency knobs fitted by ``envs.calibration`` to Vidur's H100 / A100 operator measurements. H200,
+B200 and GB300 were never measured here: they reuse the H100 efficiency knobs (same software stack,
+same kind of tensor cores), so their timings are datasheet extrapolations. The all-to-all knobs come
+from DeepEP's published H800 figures and are measured on no GPU here.
 
-Look-ups are case-insensitive and accept aliases: ``get_gpu("h200")``, ``get_model("gpt-oss")``.
+``ModelSpec`` holds the architecture numbers the cost model needs. The model catalog is a folder of
+Hugging Face configs read by ``envs.models`` (``MODELS`` and ``get_model`` here delegate to it);
+``docs/cost_model.md`` lists the source of each entry.
+
+Look-ups are case-insensitive and accept aliases: ``get_gpu("h200")``, ``get_model("gpt-oss")``;
+``get_model`` also takes the path of a ``config.json``.
 """
 
 from __future__ import annotations
@@ -94,6 +99,18 @@ _ATTENTION_KNOBS: dict[str, float] = {
 }
 
 
+class SettingError(ValueError):
+    """A deployment setting the model or GPU cannot take: ``field`` (an argument name such as ``tp``
+    or ``dtype``) and its ``value`` name it, so a command line can name its flag; ``detail`` says why.
+    ``str()`` is ``"<field>=<value>: <detail>"``."""
+
+    def __init__(self, field: str, value: object, detail: str) -> None:
+        super().__init__(f"{field}={value}: {detail}")
+        self.field = field
+        self.value = value
+        self.detail = detail
+
+
 @dataclass(frozen=True, slots=True)
 class GPUSpec:
     """One accelerator. Throughputs are dense (no 2:4 sparsity), per GPU."""
@@ -133,6 +150,19 @@ class GPUSpec:
     """Fixed cost of one all-reduce (per call)."""
     allreduce_bus_efficiency: float = 0.75
     """Ring bus bandwidth reached, as a fraction of ``nvlink_gb_per_s``."""
+    gpus_per_node: int = 8
+    """GPUs in one NVLink domain (8 on an HGX board, 72 in an NVL72 rack)."""
+    scale_out_gb_per_s: float = 50.0
+    """RDMA bandwidth per GPU per direction between NVLink domains (one 400 Gb/s NIC per GPU)."""
+    all_to_all_latency_s: float = 5.0e-5
+    """Fixed cost of one MoE dispatch or combine. Not measured here: read off DeepEP's published H800
+    low-latency table (EP16-EP64: measured time minus bytes at 50 GB/s is 45-57 us)."""
+    all_to_all_nvlink_efficiency: float = 0.77
+    """Share of ``nvlink_gb_per_s`` an all-to-all reaches inside a node (DeepEP's published H800 figure:
+    153 of 200 GB/s). Not measured here."""
+    all_to_all_rdma_efficiency: float = 1.0
+    """Share of ``scale_out_gb_per_s`` an all-to-all reaches between nodes (DeepEP's published H800
+    normal kernels: 43-58 GB/s, median 51, on 400 Gb/s NICs). Not measured here."""
     measured: bool = False
     """True when the knobs were fitted on this GPU's own measurements (H100, A100)."""
 
@@ -188,7 +218,10 @@ class ModelSpec:
     weight_precision: Precision = "bf16"
     """Precision of the FFN / expert weights (the bulk of the parameters)."""
     dense_precision: Precision = "bf16"
-    """Precision of attention projections, embeddings and LM head."""
+    """Precision of the attention projections."""
+    embedding_precision: Precision = "bf16"
+    """Precision of the embeddings, the LM head and the MoE router, which FP8 and FP4 checkpoints keep
+    unquantised (DeepSeek-V3, ModelOpt and compressed-tensors checkpoints all exclude them)."""
     kv_precision: Precision = "bf16"
     attention: AttentionKind = "gqa"
     kv_lora_rank: int = 0
@@ -205,6 +238,8 @@ class ModelSpec:
     ``max_position_embeddings``, or the window the model card states when RoPE scaling extends it).
     The simulator never serves a request past it (see ``ClusterConfig.context_policy``)."""
     aliases: tuple[str, ...] = field(default=(), compare=False)
+    source: str = field(default="", compare=False)
+    """Where the numbers come from (a config file, a published checkpoint)."""
 
     @property
     def is_moe(self) -> bool:
@@ -261,7 +296,10 @@ _A100_KNOBS: dict[str, object] = {
 
 GPUS: dict[str, GPUSpec] = {
     # NVIDIA A100 SXM4 80GB datasheet: 312 TF BF16 dense, 2,039 GB/s, NVLink 600 GB/s bidirectional.
-    "A100": _gpu("A100", 312.0, 0.0, 0.0, 80.0, 2.039, 300.0, measured=True, **_A100_KNOBS),
+    # DGX A100: one 200 Gb/s HDR NIC per GPU.
+    "A100": _gpu(
+        "A100", 312.0, 0.0, 0.0, 80.0, 2.039, 300.0, scale_out_gb_per_s=25.0, measured=True, **_A100_KNOBS
+    ),
     # NVIDIA H100 SXM5 datasheet: 989 TF BF16 / 1,979 TF FP8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
     "H100": _gpu("H100", 989.0, 1979.0, 0.0, 80.0, 3.35, 450.0, measured=True, **_H100_KNOBS),
     # NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
@@ -271,7 +309,19 @@ GPUS: dict[str, GPUSpec] = {
     "B200": _gpu("B200", 2250.0, 4500.0, 9000.0, 180.0, 8.0, 900.0, **_H100_KNOBS),
     # NVIDIA GB300 NVL72 datasheet / 72 GPUs: 15 PF FP4 dense, FP8 5 PF and BF16 2.5 PF dense
     # (half of the listed sparse figures), 288 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional.
-    "GB300": _gpu("GB300", 2500.0, 5000.0, 15000.0, 288.0, 8.0, 900.0, **_H100_KNOBS),
+    # One NVLink domain of 72 GPUs; ConnectX-8 800 Gb/s per GPU between racks.
+    "GB300": _gpu(
+        "GB300",
+        2500.0,
+        5000.0,
+        15000.0,
+        288.0,
+        8.0,
+        900.0,
+        gpus_per_node=72,
+        scale_out_gb_per_s=100.0,
+        **_H100_KNOBS,
+    ),
 }
 _GPU_ALIASES: dict[str, str] = {
     "a100-80gb": "A100",
@@ -282,187 +332,6 @@ _GPU_ALIASES: dict[str, str] = {
     "hgx-b200": "B200",
     "gb300-nvl72": "GB300",
     "b300": "GB300",
-}
-
-MODELS: dict[str, ModelSpec] = {
-    m.name.lower(): m
-    for m in (
-        # openai/gpt-oss-120b config.json: MXFP4 experts, BF16 attention,
-        # alternating 128-token sliding window.
-        ModelSpec(
-            "gpt-oss-120b",
-            layers=36,
-            hidden=2880,
-            q_heads=64,
-            kv_heads=8,
-            head_dim=64,
-            intermediate=0,
-            vocab=201088,
-            total_params_b=116.8,
-            experts=128,
-            active_experts=4,
-            expert_intermediate=2880,
-            weight_precision="fp4",
-            sliding_window_layers=18,
-            sliding_window_tokens=128,
-            max_context_tokens=131072,
-            aliases=("gpt-oss", "openai/gpt-oss-120b"),
-        ),
-        # zai-org/GLM-5 (744B total, ~40B active): MLA + DeepSeek-style MoE, served from its FP8 checkpoint.
-        # Shapes as in transformers' GlmMoeDsaConfig defaults (documented there as GLM-5's configuration).
-        ModelSpec(
-            "GLM-5",
-            layers=78,
-            hidden=6144,
-            q_heads=64,
-            kv_heads=64,
-            head_dim=256,
-            v_head_dim=256,
-            intermediate=12288,
-            vocab=154880,
-            total_params_b=744.0,
-            experts=256,
-            active_experts=8,
-            expert_intermediate=2048,
-            shared_experts=1,
-            dense_layers=3,
-            weight_precision="fp8",
-            dense_precision="fp8",
-            attention="mla",
-            kv_lora_rank=512,
-            q_lora_rank=2048,
-            rope_head_dim=64,
-            max_context_tokens=202752,
-            aliases=("glm5", "glm-5.2", "zai-org/glm-5", "zai-org/glm-5-fp8"),
-        ),
-        # zai-org/GLM-4.5-Air config.json (106B total, 12B active).
-        ModelSpec(
-            "GLM-4.5-Air",
-            layers=46,
-            hidden=4096,
-            q_heads=96,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=10944,
-            vocab=151552,
-            total_params_b=106.0,
-            experts=128,
-            active_experts=8,
-            expert_intermediate=1408,
-            shared_experts=1,
-            dense_layers=1,
-            max_context_tokens=131072,
-            aliases=("glm-4.5-air", "zai-org/glm-4.5-air"),
-        ),
-        ModelSpec(
-            "Llama-3.1-8B",
-            layers=32,
-            hidden=4096,
-            q_heads=32,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=14336,
-            vocab=128256,
-            total_params_b=8.03,
-            max_context_tokens=131072,
-            aliases=("meta-llama/llama-3.1-8b-instruct", "llama3.1-8b"),
-        ),
-        ModelSpec(
-            "Llama-3.1-70B",
-            layers=80,
-            hidden=8192,
-            q_heads=64,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=28672,
-            vocab=128256,
-            total_params_b=70.6,
-            max_context_tokens=131072,
-            aliases=("meta-llama/llama-3.1-70b-instruct", "llama3.1-70b"),
-        ),
-        ModelSpec(
-            "Qwen3-30B-A3B",
-            layers=48,
-            hidden=2048,
-            q_heads=32,
-            kv_heads=4,
-            head_dim=128,
-            intermediate=0,
-            vocab=151936,
-            total_params_b=30.5,
-            experts=128,
-            active_experts=8,
-            expert_intermediate=768,
-            max_context_tokens=40960,
-            aliases=("qwen/qwen3-30b-a3b",),
-        ),
-        # The shapes Vidur profiled (calibration only).
-        ModelSpec(
-            "Llama-2-7b-hf",
-            layers=32,
-            hidden=4096,
-            q_heads=32,
-            kv_heads=32,
-            head_dim=128,
-            intermediate=11008,
-            vocab=32000,
-            total_params_b=6.74,
-            max_context_tokens=4096,
-            aliases=("llama-2-7b",),
-        ),
-        ModelSpec(
-            "Llama-2-70b-hf",
-            layers=80,
-            hidden=8192,
-            q_heads=64,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=28672,
-            vocab=32000,
-            total_params_b=69.0,
-            max_context_tokens=4096,
-            aliases=("llama-2-70b",),
-        ),
-        ModelSpec(
-            "CodeLlama-34b-Instruct-hf",
-            layers=48,
-            hidden=8192,
-            q_heads=64,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=22016,
-            vocab=32000,
-            total_params_b=33.7,
-            max_context_tokens=16384,
-            aliases=("codellama-34b",),
-        ),
-        ModelSpec(
-            "Meta-Llama-3-8B",
-            layers=32,
-            hidden=4096,
-            q_heads=32,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=14336,
-            vocab=128256,
-            total_params_b=8.03,
-            max_context_tokens=8192,
-            aliases=("llama-3-8b",),
-        ),
-        ModelSpec(
-            "Meta-Llama-3-70B",
-            layers=80,
-            hidden=8192,
-            q_heads=64,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=28672,
-            vocab=128256,
-            total_params_b=70.6,
-            max_context_tokens=8192,
-            aliases=("llama-3-70b",),
-        ),
-    )
 }
 
 
@@ -481,9 +350,24 @@ def get_gpu(name: str) -> GPUSpec:
 
 
 def get_model(name: str) -> ModelSpec:
-    """The model called ``name`` (case-insensitive; HF ids such as ``openai/gpt-oss-120b`` accepted)."""
-    aliases = {a.lower(): m.name for m in MODELS.values() for a in m.aliases}
-    return _lookup(MODELS, aliases, name, "model")
+    """The model called ``name``: a catalog name (case-insensitive; HF ids such as
+    ``openai/gpt-oss-120b`` accepted) or the path of a Hugging Face ``config.json``.
+
+    The catalog is the shipped ``envs/data/models/`` plus every folder listed in the
+    ``CROSSFLOW_MODELS_DIR`` environment variable (``os.pathsep``-separated); see ``envs.models``.
+    """
+    from envs.models import lookup_model
+
+    return lookup_model(name)
+
+
+def __getattr__(name: str) -> dict[str, ModelSpec]:
+    # ``MODELS`` is loaded from the catalog files on first use (they import this module's ModelSpec).
+    if name == "MODELS":
+        from envs.models import catalog
+
+        return catalog()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def with_knobs(gpu: GPUSpec, **knobs: object) -> GPUSpec:

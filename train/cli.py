@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from train.jsonio import write_json
+from train.model_args import add_model_arguments, describe_deployment, model_from_args, model_options
 
 # W&B stays offline unless the user logged in and asked for online mode.
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -54,12 +55,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_arguments(p)
     p.set_defaults(func=_run_simulate)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from train.experiment import Point, run_point
+    from train.experiment import Point, default_tp, run_point
 
+    spec = model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
     point = Point(
         policy=args.policy,
         trace=args.trace,
@@ -72,6 +75,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         max_requests=args.max_requests,
         seed=args.seed,
         rate_curve=args.rate_curve,
+        **model_options(args),
     )
     result = run_point(point, progress=not args.no_progress)
     m = result.metrics
@@ -97,9 +101,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
         ("retractions", f"{m.retractions}"),
     ]
     cfg = result.config
+    deployment = describe_deployment(spec, args)
     print(
-        f"{result.trace_name} on {cfg.shape} {cfg.model} / {cfg.gpu} TP{cfg.tp}, policy {args.policy}, "
-        f"load {args.load:g}, seed {args.seed}"
+        f"{result.trace_name} on {cfg.shape} {spec.name} / {cfg.gpu} TP{cfg.tp}{deployment}, "
+        f"policy {args.policy}, load {args.load:g}, seed {args.seed}"
     )
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from envs.cluster_config import parse_shape
+from envs.hardware import Precision
 from envs.request import Trace
 from train import report
 from train.experiment import Point, default_tp, prepare_trace, run_point
 from train.jsonio import write_json
+from train.model_args import add_model_arguments, apply_models_dir, check_model, model_options
 from train.saturation import SATURATION_THRESHOLD, _saturation_job, served_slo_share
 
 DEFAULT_POLICIES = ("static", "heuristic")
@@ -73,6 +75,14 @@ class GridSpec:
     oracle: bool = True
     interference_model: str | None = None
     """Artifact folder for heuristic/rl (None: the shipped default per model)."""
+    dtype: Precision | None = None
+    kv_dtype: Precision | None = None
+    ep: int = 1
+    dp_attention: int = 1
+    """Precision and parallelism of every model's workers (``train.model_args``)."""
+
+    def model_options(self) -> dict[str, Any]:
+        return model_options(self)
 
     def subset(self, trace: str) -> int | None:
         if self.max_requests is not None:
@@ -205,16 +215,26 @@ def saturation_loads(spec: GridSpec, out_dir: Path, jobs: int, progress: bool) -
             raise ValueError(
                 f"{cache_path}: corrupt saturation cache ({exc}); delete it to recompute"
             ) from exc
+    options = tuple(spec.model_options().items())
     keys = [
-        (t, m, s, spec.gpu, spec.subset(t), spec.seed)
+        (t, m, s, spec.gpu, spec.subset(t), spec.seed, options)
         for t in spec.traces
         for m in spec.models
         for s in spec.shapes
     ]
-    name = {k: f"{'|'.join(map(str, k))}|thr={SATURATION_THRESHOLD}|rule=v2" for k in keys}
+    suffix = Point(**spec.model_options()).deployment_suffix()
+    name = {k: f"{'|'.join(map(str, k[:6]))}{suffix}|thr={SATURATION_THRESHOLD}|rule=v2" for k in keys}
     todo = [k for k in keys if name[k] not in cache]
     for res in _map(_saturation_job, todo, jobs, "saturation search", progress):
-        key = (res["trace"], res["model"], res["shape"], res["gpu"], res["max_requests"], res["seed"])
+        key = (
+            res["trace"],
+            res["model"],
+            res["shape"],
+            res["gpu"],
+            res["max_requests"],
+            res["seed"],
+            options,
+        )
         cache[name[key]] = res
         write_json(cache_path, cache, indent=1)
     return [cache[name[k]] for k in keys]
@@ -241,6 +261,7 @@ def build_tasks(
                 "load": load,
                 "max_requests": sat["max_requests"],
                 "seed": spec.seed,
+                **spec.model_options(),
             }
             for policy in spec.policies:
                 pt = Point(policy=policy, shape=sat["shape"], **common)
@@ -445,6 +466,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-wandb", action="store_true", help="do not log W&B runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_model_arguments(p)
     p.set_defaults(func=_run)
     return p
 
@@ -467,12 +489,12 @@ def spec_from_args(args: argparse.Namespace) -> GridSpec:
         full=full,
         oracle=not args.no_oracle,
         interference_model=args.interference_model,
+        **model_options(args),
     )
 
 
 def check_names(spec: GridSpec) -> None:
     """Fail before any simulation on an unknown policy, trace or model (naming the flag)."""
-    from envs.hardware import get_model
     from envs.traces import BUNDLED_TRACES
     from policies.node_policies import node_policy_names
 
@@ -484,12 +506,13 @@ def check_names(spec: GridSpec) -> None:
         if trace not in BUNDLED_TRACES:
             raise ValueError(f"--traces: unknown bundled trace {trace!r}; known: {sorted(BUNDLED_TRACES)}")
     for model in spec.models:
-        get_model(model)
+        check_model(model, gpu=spec.gpu, tp=default_tp(model), model_flag="--models", **spec.model_options())
 
 
 def _run(args: argparse.Namespace) -> int:
     from train import wandb_log
 
+    apply_models_dir(args)
     spec = spec_from_args(args)
     check_names(spec)
     out = Path(args.out or f"runs/compare-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}")

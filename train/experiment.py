@@ -15,6 +15,7 @@ from envs.arrivals import sample_sessions, subset
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
+from envs.hardware import Precision
 from envs.metrics import SimResult
 from envs.request import Trace
 from envs.simulator import simulate
@@ -76,6 +77,14 @@ class Point:
     rate_curve: str | None = None
     """Closed-loop traces: start sessions along a bundled ServeGen day curve (e.g. ``"m-large"``,
     ``"m-large@3"`` for day 3) rescaled to the session rate, instead of a constant-rate Poisson process."""
+    dtype: Precision | None = None
+    """Weight precision of the linear layers (``bf16``/``fp8``/``fp4``; None: the checkpoint's)."""
+    kv_dtype: Precision | None = None
+    """KV-cache precision (None: the checkpoint's)."""
+    ep: int = 1
+    """Expert-parallel degree per worker (MoE models)."""
+    dp_attention: int = 1
+    """Data-parallel attention replicas per worker (MoE models)."""
 
     @property
     def resolved_tp(self) -> int:
@@ -90,7 +99,30 @@ class Point:
         )
 
     def label(self) -> str:
-        return f"{self.policy}|{self.trace}|{self.model}|{self.shape}|load={self.load:g}|seed={self.seed}"
+        return (
+            f"{self.policy}|{self.trace}|{self.model}|{self.shape}|load={self.load:g}|seed={self.seed}"
+            + self.deployment_suffix()
+        )
+
+    def deployment_suffix(self) -> str:
+        """``|dtype=fp8|ep=8`` for the precision/parallelism fields that differ from their defaults."""
+        return "".join(
+            f"|{k}={v}"
+            for k, v in (
+                ("dtype", self.dtype),
+                ("kv_dtype", self.kv_dtype),
+                ("ep", self.ep),
+                ("dp", self.dp_attention),
+            )
+            if v not in (None, 1)
+        )
+
+    def cost_model(self) -> CostModel:
+        """The cost model of one worker of this point (model, precision, parallelism)."""
+        from envs.models import resolve_model
+
+        spec = resolve_model(self.model, self.gpu, self.dtype, self.kv_dtype)
+        return CostModel(self.gpu, spec, self.resolved_tp, ep=self.ep, dp_attention=self.dp_attention)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -160,7 +192,7 @@ def run_point(
     """
     trace = trace if trace is not None else prepare_trace(point)
     config = point.cluster()
-    cost_model = CostModel(config.gpu, config.model, config.tp)
+    cost_model = point.cost_model()
     kwargs = {"predictor": predictor} if predictor is not None and point.policy in ("heuristic", "rl") else {}
     scheduler = build_scheduler(point.policy, config, cost_model, **kwargs)
     return simulate(

@@ -17,6 +17,7 @@ import numpy as np
 
 from interference_model.artifact import DEFAULT_ITL_TARGET
 from train.jsonio import write_json
+from train.model_args import add_model_arguments, model_from_args, model_options
 
 
 def _fit_command(args: argparse.Namespace) -> str:
@@ -68,6 +69,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--no-noise", action="store_true", help="noise-free timings (the cost model's truth)")
     p.add_argument("--out", required=True, help="Parquet file to write")
     p.add_argument("--json", default=None, help="also write a summary as JSON here")
+    add_model_arguments(p)
     p.set_defaults(func=run_profile)
     return p
 
@@ -87,6 +89,9 @@ def run_profile(args: argparse.Namespace) -> int:
             RealProfileConfig(url=args.url, hardware=args.gpu, model=args.model, tp=args.tp, seed=args.seed)
         )
     else:
+        from envs.cost_model import CostModel
+
+        spec = model_from_args(args, tp=args.tp)
         df = simulate_profiles(
             args.gpu,
             args.model,
@@ -96,6 +101,7 @@ def run_profile(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             noise=None if args.no_noise else MeasurementNoise(),
             sampler=StateSampler(max_batch=args.max_batch),
+            cost_model=CostModel(args.gpu, spec, args.tp, ep=args.ep, dp_attention=args.dp_attention),
         )
     path = write_profiles(df, args.out)
     summary = {
@@ -108,6 +114,7 @@ def run_profile(args: argparse.Namespace) -> int:
         "model": args.model,
         "tp": args.tp,
         "seed": args.seed,
+        **model_options(args),
     }
     print(f"wrote {summary['rows']} rows ({summary['states']} states) to {path}")
     write_json(args.json, summary)

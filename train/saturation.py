@@ -77,9 +77,10 @@ def find_saturation(
     return lo, True, probes
 
 
-def _saturation_job(key: tuple[str, str, str, str, int | None, int]) -> dict[str, Any]:
-    """Worker: static saturation of one (trace, model, shape, gpu, max_requests, seed)."""
-    trace_name, model, shape, gpu, max_requests, seed = key
+def _saturation_job(key: tuple[Any, ...]) -> dict[str, Any]:
+    """Worker: static saturation of one (trace, model, shape, gpu, max_requests, seed[, options]),
+    ``options`` being the ``Point`` precision/parallelism fields as (name, value) pairs."""
+    trace_name, model, shape, gpu, max_requests, seed = key[:6]
     base = Point(
         policy="static",
         trace=trace_name,
@@ -88,6 +89,7 @@ def _saturation_job(key: tuple[str, str, str, str, int | None, int]) -> dict[str
         shape=shape,
         max_requests=max_requests,
         seed=seed,
+        **dict(key[6] if len(key) > 6 else ()),
     )
     trace = prepare_trace(base)
 
