@@ -531,6 +531,12 @@ class Replayer:
                         last_event = now
                         continue
                     event = json.loads(data)
+                    if isinstance(event.get("error"), dict):  # SGLang's in-stream error event
+                        err = event["error"]
+                        rec.rejected = True
+                        rec.status = int(err.get("code") or 400)
+                        rec.error = f"error event: {err.get('message', '')}"[:300]
+                        return
                     meta = event.get("meta_info") or {}
                     finish = meta.get("finish_reason")
                     if isinstance(finish, dict) and finish.get("type") == "abort":

@@ -204,7 +204,15 @@ def test_stream_parsing_counts_tokens_from_meta_info_and_reads_aborts_and_cached
         {"text": "", "meta_info": meta(0, {"type": "abort", "status_code": 503, "message": "no lease"})},
         "[DONE]",
     )
-    by_input_tokens = {100: (200, ok), 101: (200, aborted), 102: (503, b'{"error": "busy"}')}
+    error_event = _sse(
+        {"error": {"message": "bad input", "type": "invalid_request_error", "code": 400}}, "[DONE]"
+    )
+    by_input_tokens = {
+        100: (200, ok),
+        101: (200, aborted),
+        102: (503, b'{"error": "busy"}'),
+        103: (200, error_event),
+    }
 
     def handler(request: Any) -> Any:
         if request.url.path != "/generate":
@@ -212,18 +220,19 @@ def test_stream_parsing_counts_tokens_from_meta_info_and_reads_aborts_and_cached
         status, body = by_input_tokens[len(json.loads(request.content)["input_ids"])]
         return httpx.Response(status, content=body)
 
-    reqs = [Request(i, -1, 0, 0.0, 100 + i, 5) for i in range(3)]
+    reqs = [Request(i, -1, 0, 0.0, 100 + i, 5) for i in range(4)]
     replayer = Replayer(
         Trace("t", reqs), ReplayConfig(url="http://127.0.0.1:1"), transport=httpx.MockTransport(handler)
     )
     result = asyncio.run(replayer.run())
-    first, second, third = result.records
+    first, second, third, fourth = result.records
     assert first.finished and first.completion_tokens == 5 and len(first.itl_s) == 4
     assert first.itl_s[0] == first.itl_s[1] == first.itl_s[2]  # one gap split three ways
     assert first.cached_tokens == 30
     assert second.rejected and second.status == 503 and "no lease" in second.error
     assert third.rejected and third.status == 503
-    assert result.metrics["n_rejected"] == 2 and result.metrics["n_finished"] == 1
+    assert fourth.rejected and fourth.status == 400 and "bad input" in fourth.error
+    assert result.metrics["n_rejected"] == 3 and result.metrics["n_finished"] == 1
     assert result.metrics["prefix_hit_share"] == pytest.approx(30 / 100)
     assert result.time_scale_source == "default"
 
