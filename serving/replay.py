@@ -20,7 +20,8 @@ replay and a simulation of the same trace can be compared key by key.
   adds k inter-token intervals of (gap since the previous such event) / k; a request's latency ends
   at the last event of its stream. Tokens are counted from ``meta_info.completion_tokens`` (as
   bench_serving's batch recorder does), not from non-empty text, so a token that decodes to no text
-  still counts.
+  still counts. A request the server refuses (an HTTP error, an abort event with its ``status_code``,
+  or SGLang's in-stream ``error`` event) counts as rejected.
 - **Emulated time.** When ``/server_info`` reports ``crossflow_time_scale`` (an emulated cluster whose
   iterations take cost-model time x scale), the schedule is stretched by the scale and every measured
   time is divided by it, so the figures are in the cluster's emulated time.
@@ -37,6 +38,7 @@ import asyncio
 import json
 import math
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -144,7 +146,8 @@ class RequestRecord:
     """Time of the stream's last event; set only for a request that completed."""
     completion_tokens: int = 0
     """Tokens received (``meta_info.completion_tokens`` of the last event)."""
-    itl_s: list[float] = field(default_factory=list)
+    itl_s: array[float] = field(default_factory=lambda: array("d"))
+    """Inter-token intervals (8 bytes each: a long replay holds millions)."""
     cached_tokens: int | None = None
     """``meta_info.cached_tokens`` when the server reports it."""
     status: int | None = None
@@ -280,7 +283,9 @@ def replay_metrics(
     finish = np.array([r.finish_s for r in done], dtype=float) / time_scale
     out_tokens = np.array([r.completion_tokens for r in done], dtype=float)
     ttft, e2e = first - send, finish - send
-    itl = np.array([x for r in done for x in r.itl_s], dtype=float) / time_scale
+    itl = (
+        np.concatenate([np.frombuffer(r.itl_s, dtype=np.float64) for r in done] or [np.zeros(0)]) / time_scale
+    )
     sent = [r.send_s for r in records if r.send_s is not None]
     duration = max(float(finish.max()) - min(sent) / time_scale, 1e-9) if done else None
 

@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import time
+from array import array
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def _record(rid: int, send: float, first: float, itl: list[float], inp: int = 10
     out = len(itl) + 1
     finish = first + sum(itl)
     return RequestRecord(
-        rid, -1, inp, out, send, first, finish, completion_tokens=out, itl_s=list(itl), status=200
+        rid, -1, inp, out, send, first, finish, completion_tokens=out, itl_s=array("d", itl), status=200
     )
 
 
