@@ -50,8 +50,23 @@ LAUNCHER_MODULE: dict[str, tuple[str, ...]] = {
 
 _PACKAGE = {"smg": "smg", "sglang-router": "sglang_router"}
 
-POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
-"""Policies both gateways accept for regular mode and for either PD leg."""
+POLICIES: dict[str, tuple[str, ...]] = {
+    "smg": (
+        "random",
+        "round_robin",
+        "passthrough",
+        "cache_aware",
+        "power_of_two",
+        "least_load",
+        "manual",
+        "consistent_hashing",
+        "prefix_hash",
+    ),
+    "sglang-router": ("random", "round_robin", "cache_aware", "power_of_two", "manual"),
+}
+"""Policies each gateway accepts for ``--policy`` and either PD leg (smg 1.13.0
+``router_args.py`` ``COMMON_POLICY_CHOICES``; sglang-router 0.3.2 ``router_args.py`` choices); the
+prefill leg also takes ``bucket`` in both."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +101,9 @@ class GatewaySpec:
             raise ValueError("PD mode needs at least one prefill and one decode worker")
         for name in ("policy", "prefill_policy", "decode_policy"):
             value = getattr(self, name)
-            if value is not None and value not in POLICIES:
-                known = ", ".join(POLICIES)
+            allowed = POLICIES[self.kind] + (("bucket",) if name == "prefill_policy" else ())
+            if value is not None and value not in allowed:
+                known = ", ".join(allowed)
                 raise ValueError(f"GatewaySpec.{name}: unknown policy {value!r}; known: {known}")
 
     @property

@@ -567,7 +567,7 @@ class Replayer:
                 rec.error = "the stream ended without a token"
             else:
                 rec.finish_s = last_event - self._t0
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # bad stream content too
             rec.completion_tokens = last_tokens
             rec.error = f"{type(exc).__name__}: {exc}"[:300]
 

@@ -74,6 +74,12 @@ def test_spec_validation() -> None:
         GatewaySpec("smg", decode=("d",))
     with pytest.raises(ValueError, match="unknown policy"):
         GatewaySpec("smg", workers=("u",), policy="fastest")
+    assert GatewaySpec("smg", workers=("u",), policy="least_load").policy == "least_load"
+    with pytest.raises(ValueError, match="unknown policy 'least_load'"):
+        GatewaySpec("sglang-router", workers=("u",), policy="least_load")
+    assert GatewaySpec("smg", prefill=(("p", None),), decode=("d",), prefill_policy="bucket").pd
+    with pytest.raises(ValueError, match="unknown policy 'bucket'"):
+        GatewaySpec("smg", prefill=(("p", None),), decode=("d",), decode_policy="bucket")
     with pytest.raises(ValueError, match="unknown gateway"):
         GatewaySpec("nginx", workers=("u",))  # type: ignore[arg-type]
 
