@@ -254,3 +254,46 @@ class Gateway:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m serving.gateways KIND --worker-urls URL ...`` (or ``--prefill URL PORT --decode URL``):
+    start a gateway on loopback, print its URL and readiness time, stop it on Ctrl-C (or after
+    ``--run-s``) and print how long it took to exit."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m serving.gateways", description=main.__doc__)
+    parser.add_argument("kind", choices=list(LAUNCHER_MODULE))
+    parser.add_argument("--worker-urls", nargs="*", default=[], help="regular mode")
+    parser.add_argument("--prefill", nargs=2, action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"))
+    parser.add_argument("--decode", action="append", default=[], metavar="URL")
+    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--port", type=int, default=0, help="default: a free port")
+    parser.add_argument("--run-s", type=float, default=None, help="stop after this many seconds")
+    args = parser.parse_args(argv)
+    prefill = tuple((url, None if port == "none" else int(port)) for url, port in args.prefill)
+    try:
+        spec = GatewaySpec(
+            args.kind, tuple(args.worker_urls), prefill, tuple(args.decode), args.policy, port=args.port
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    gateway = Gateway(spec)
+    t0 = time.monotonic()
+    gateway.start()
+    print(
+        f"{args.kind} ready at {gateway.url} in {time.monotonic() - t0:.2f} s (pid {gateway.pid})", flush=True
+    )
+    try:
+        time.sleep(args.run_s) if args.run_s is not None else signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        t1 = time.monotonic()
+        code = gateway.stop()
+        print(f"{args.kind} exited with status {code} in {time.monotonic() - t1:.2f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
