@@ -171,3 +171,16 @@ def test_a_gateway_that_cannot_start_reports_its_log() -> None:
     with pytest.raises(RuntimeError, match="exited with status"):
         gateway.start(timeout_s=30)
     assert gateway.process is not None and gateway.process.returncode is not None
+
+
+def test_gateway_command_line_starts_and_stops_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from serving.gateways import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["smg"])  # neither workers nor PD workers
+    assert exc.value.code == 2 and "either workers" in capsys.readouterr().err
+    _skip_if_missing("sglang-router")
+    with BackgroundWorker(EmulatedWorker(CostModel(*MODEL))) as worker:
+        assert main(["sglang-router", "--worker-urls", worker.url, "--run-s", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "sglang-router ready at http://127.0.0.1:" in out and "exited with status 0" in out
