@@ -160,8 +160,13 @@ def free_loopback_port() -> int:
 class Gateway:
     """A running gateway process. ``start()`` returns once it is ready; ``stop()`` ends it by pid."""
 
-    def __init__(self, spec: GatewaySpec, *, log_path: str | Path | None = None) -> None:
+    def __init__(
+        self, spec: GatewaySpec, *, log_path: str | Path | None = None, stop_grace_s: float = 10.0
+    ) -> None:
+        """``stop_grace_s``: how long ``stop()`` waits after SIGTERM before SIGKILL (smg 1.13.0 needs
+        about 5 s to exit cleanly)."""
         self.spec = spec
+        self.stop_grace_s = stop_grace_s
         self.port = spec.port
         self.process: subprocess.Popen[bytes] | None = None
         self._log_path = Path(log_path) if log_path is not None else None
@@ -232,8 +237,10 @@ class Gateway:
         lines = self._log_path.read_text("utf-8", "replace").splitlines()
         return "\n".join(lines[-n_lines:])
 
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM the gateway's process, SIGKILL it after ``grace_s``; returns its exit status."""
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM the gateway's process, SIGKILL it after ``grace_s`` (default ``stop_grace_s``);
+        returns its exit status (negative: the signal that ended it)."""
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         code: int | None = None
         if self.process is not None:
             if self.process.poll() is None:
@@ -242,7 +249,7 @@ class Gateway:
                     self.process.wait(timeout=grace_s)
                 except subprocess.TimeoutExpired:
                     self.process.kill()
-                    self.process.wait(timeout=grace_s)
+                    self.process.wait(timeout=10.0)
             code = self.process.returncode
         if self._log is not None:
             self._log.close()

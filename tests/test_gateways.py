@@ -110,7 +110,6 @@ def _conversations(n: int, turns: int, input_tokens: int, gap_s: float) -> Trace
     return Trace("conversations", reqs)
 
 
-@pytest.mark.slow  # smg takes 5 s to exit on SIGTERM
 @pytest.mark.parametrize("kind", ["smg", "sglang-router"])
 def test_real_gateway_routes_a_replay_to_emulated_workers(kind: str) -> None:
     _skip_if_missing(kind)
@@ -120,7 +119,8 @@ def test_real_gateway_routes_a_replay_to_emulated_workers(kind: str) -> None:
         BackgroundWorker(RecordingWorker(cm)) as w1,
         BackgroundWorker(RecordingWorker(cm)) as w2,
     ):
-        gateway = Gateway(GatewaySpec(kind, workers=(w1.url, w2.url), policy="cache_aware"))  # type: ignore[arg-type]
+        spec = GatewaySpec(kind, workers=(w1.url, w2.url), policy="cache_aware")  # type: ignore[arg-type]
+        gateway = Gateway(spec, stop_grace_s=1.0)  # smg drains for 5 s on SIGTERM; no need here
         with gateway:
             assert gateway.pid is not None
             result = replay(trace, ReplayConfig(url=gateway.url, timeout_s=60))
@@ -144,14 +144,13 @@ def test_real_gateway_routes_a_replay_to_emulated_workers(kind: str) -> None:
         assert len(home) == 3 and all(len(ports) == 1 for ports in home.values()), home
 
 
-@pytest.mark.slow
 def test_smg_pd_mode_dispatches_both_legs_with_bootstrap_fields() -> None:
     _skip_if_missing("smg")
     cm = CostModel(*MODEL)
     trace = Trace("pd", [Request(i, -1, 0, 0.02 * i, 300, 5) for i in range(4)])
     with BackgroundWorker(RecordingWorker(cm)) as prefill, BackgroundWorker(RecordingWorker(cm)) as decode:
         spec = GatewaySpec("smg", prefill=((prefill.url, 8998),), decode=(decode.url,))
-        with Gateway(spec) as gateway:
+        with Gateway(spec, stop_grace_s=1.0) as gateway:
             result = replay(trace, ReplayConfig(url=gateway.url, timeout_s=60))
     assert result.metrics["n_finished"] == 4
     assert len(prefill.bodies) == len(decode.bodies) == 4

@@ -386,12 +386,18 @@ def test_replay_command_prints_simulates_table_and_writes_json(tmp_path: Path) -
     assert not math.isnan(payload["metrics"]["ttft_mean_s"])
 
 
-@pytest.mark.slow
-def test_replay_command_errors_are_clear(tmp_path: Path) -> None:
-    run = _cli("replay", "--url", "http://127.0.0.1:9", "--trace", "mooncake", "--max-requests", "1")
-    assert run.returncode == 2
-    assert "cannot reach http://127.0.0.1:9/server_info" in run.stderr
-    run = _cli("replay", "--url", "http://127.0.0.1:9", "--trace", "mooncake", "--max-sessions", "2")
-    assert run.returncode == 2 and "--max-sessions applies to closed-loop traces" in run.stderr
-    run = _cli("replay", "--url", "http://127.0.0.1:9", "--trace", str(tmp_path / "missing.jsonl"))
-    assert run.returncode == 2 and "missing.jsonl" in run.stderr
+def test_replay_command_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from train.cli import main
+
+    def error(*args: str) -> str:
+        assert main(["replay", "--url", "http://127.0.0.1:9", *args]) == 2
+        return capsys.readouterr().err
+
+    assert "cannot reach http://127.0.0.1:9/server_info" in error(
+        "--trace", "mooncake", "--max-requests", "1"
+    )
+    assert "--max-sessions applies to closed-loop traces" in error(
+        "--trace", "mooncake", "--max-sessions", "2"
+    )
+    assert "missing.jsonl" in error("--trace", str(tmp_path / "missing.jsonl"))
+    assert "--max-requests must be >= 1" in error("--trace", "mooncake", "--max-requests", "0")
