@@ -517,7 +517,7 @@ class Replayer:
         body = self._body(r)
         start = time.perf_counter()
         rec.send_s = start - self._t0
-        last_tokens, last_event = 0, start
+        last_tokens, last_token_event, last_event = 0, start, start
         try:
             async with client.stream(
                 "POST", self.config.endpoint, content=body, headers={"Content-Type": "application/json"}
@@ -555,10 +555,10 @@ class Replayer:
                     if tokens > last_tokens:
                         if rec.first_token_s is None:
                             rec.first_token_s = now - self._t0
-                        else:
+                        else:  # bench_serving: the gap since the last event that brought tokens
                             k = tokens - last_tokens
-                            rec.itl_s.extend([(now - last_event) / k] * k)
-                        last_tokens = tokens
+                            rec.itl_s.extend([(now - last_token_event) / k] * k)
+                        last_tokens, last_token_event = tokens, now
                     last_event = now
                     if isinstance(meta.get("cached_tokens"), int):
                         rec.cached_tokens = meta["cached_tokens"]

@@ -194,13 +194,20 @@ def test_stream_parsing_counts_tokens_from_meta_info_and_reads_aborts_and_cached
     def meta(n: int, finish: Any = None, cached: int = 30) -> dict[str, Any]:
         return {"completion_tokens": n, "finish_reason": finish, "cached_tokens": cached}
 
-    ok = _sse(
+    ok_events = [
         {"text": "", "meta_info": meta(1)},  # a token whose text is empty still counts
         {"text": "a b c", "meta_info": meta(4)},  # three tokens in one event: three ITL entries
         {"text": "a b c", "meta_info": meta(4)},  # no new token: no interval
         {"text": "d", "meta_info": meta(5, {"type": "length", "length": 5})},
         "[DONE]",
-    )
+    ]
+
+    async def ok() -> Any:
+        for i, event in enumerate(ok_events):
+            if 0 < i < 4:
+                await asyncio.sleep(0.1)
+            yield _sse(event)
+
     aborted = _sse(
         {"text": "", "meta_info": meta(0, {"type": "abort", "status_code": 503, "message": "no lease"})},
         "[DONE]",
@@ -209,7 +216,7 @@ def test_stream_parsing_counts_tokens_from_meta_info_and_reads_aborts_and_cached
         {"error": {"message": "bad input", "type": "invalid_request_error", "code": 400}}, "[DONE]"
     )
     by_input_tokens = {
-        100: (200, ok),
+        100: (200, None),
         101: (200, aborted),
         102: (503, b'{"error": "busy"}'),
         103: (200, error_event),
@@ -219,7 +226,7 @@ def test_stream_parsing_counts_tokens_from_meta_info_and_reads_aborts_and_cached
         if request.url.path != "/generate":
             return httpx.Response(404)
         status, body = by_input_tokens[len(json.loads(request.content)["input_ids"])]
-        return httpx.Response(status, content=body)
+        return httpx.Response(status, content=ok() if body is None else body)
 
     reqs = [Request(i, -1, 0, 0.0, 100 + i, 5) for i in range(4)]
     replayer = Replayer(
@@ -228,7 +235,9 @@ def test_stream_parsing_counts_tokens_from_meta_info_and_reads_aborts_and_cached
     result = asyncio.run(replayer.run())
     first, second, third, fourth = result.records
     assert first.finished and first.completion_tokens == 5 and len(first.itl_s) == 4
-    assert first.itl_s[0] == first.itl_s[1] == first.itl_s[2]  # one gap split three ways
+    assert list(first.itl_s[:3]) == pytest.approx([0.1 / 3] * 3, abs=0.03)  # one gap split three ways
+    # the event without a new token does not cut the next interval short (bench_serving's rule)
+    assert first.itl_s[3] == pytest.approx(0.2, abs=0.05)
     assert first.cached_tokens == 30
     assert second.rejected and second.status == 503 and "no lease" in second.error
     assert third.rejected and third.status == 503
