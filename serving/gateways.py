@@ -119,9 +119,14 @@ def missing_reason(kind: GatewayKind) -> str | None:
     return None
 
 
-def gateway_command(spec: GatewaySpec, port: int, python: str = sys.executable) -> list[str]:
-    """The command line that starts ``spec``'s gateway on ``port``."""
+def gateway_command(
+    spec: GatewaySpec, port: int, python: str = sys.executable, metrics_port: int | None = None
+) -> list[str]:
+    """The command line that starts ``spec``'s gateway on ``port``; its Prometheus exporter listens on
+    ``spec.host`` too, at ``metrics_port`` (default: a free port), never on every interface."""
     cmd = [python, "-m", *LAUNCHER_MODULE[spec.kind], "--host", spec.host, "--port", str(port)]
+    cmd += ["--prometheus-host", spec.host]
+    cmd += ["--prometheus-port", str(metrics_port if metrics_port is not None else free_loopback_port())]
     cmd += ["--policy", spec.policy]
     if spec.pd:
         cmd.append("--pd-disaggregation")

@@ -64,6 +64,9 @@ UNOBSERVED_METRICS: frozenset[str] = frozenset(
         "fallback_share",
         "borrowed_prefill_tokens",
         "lease_utilisation",
+        "lease_granted_prefill_tokens",
+        "n_rejected_context",
+        "n_compacted",
         "retractions",
         "prefill_utilisation",
         "decode_utilisation",
@@ -182,7 +185,7 @@ class ReplayConfig:
     vocab_size: int = 32000
     endpoint: str = "/generate"
     slo_ttft_s: float = _DEFAULT_SLO.slo_ttft_s
-    slo_itl_s: float = _DEFAULT_SLO.slo_itl_s
+    slo_tpot_s: float = _DEFAULT_SLO.slo_tpot_s
 
     def __post_init__(self) -> None:
         if not (self.load > 0 and math.isfinite(self.load)):
@@ -265,13 +268,14 @@ def replay_metrics(
     *,
     time_scale: float = 1.0,
     slo_ttft_s: float = _DEFAULT_SLO.slo_ttft_s,
-    slo_itl_s: float = _DEFAULT_SLO.slo_itl_s,
+    slo_tpot_s: float = _DEFAULT_SLO.slo_tpot_s,
 ) -> dict[str, float | int | None]:
     """The :class:`~envs.metrics.RunMetrics` figures of a replay, in emulated time (wall / scale).
 
         Definitions match the simulator's: duration from the first send to the last finish; throughputs
         over finished requests; ITL statistics over every inter-token interval (token-weighted);
-        per-request SLO on TTFT and mean ITL, with refused requests counted as misses; prefix-hit share over
+        per-request SLO on TTFT and mean ITL over the requests not refused (unfinished ones count as
+        misses, refused ones are reported apart); prefix-hit share over
     finished requests, known only if each reported ``cached_tokens``. ``None`` where a
         client cannot observe the figure or no request produced it (never NaN).
     """
@@ -296,12 +300,13 @@ def replay_metrics(
         weighted_quantiles(itl, np.ones_like(itl), [0.5, 0.99]) if len(itl) else [math.nan, math.nan]
     )
     per_req_itl = np.where(out_tokens > 1, (finish - first) / np.maximum(out_tokens - 1, 1), 0.0)
-    slo_ok = int(((ttft <= slo_ttft_s) & (per_req_itl <= slo_itl_s)).sum())
+    slo_ok = int(((ttft <= slo_ttft_s) & (per_req_itl <= slo_tpot_s)).sum())
     cached = [r.cached_tokens for r in done]
     values: dict[str, float | int | None] = {
         "n_requests": n_requests,
         "n_finished": len(done),
         "n_rejected": n_rejected,
+        "max_input_tokens_served": max((r.input_tokens for r in done), default=0),
         "duration_s": duration,
         "input_tokens_per_s": sum(r.input_tokens for r in done) / duration if duration else None,
         "output_tokens_per_s": sum(r.completion_tokens for r in done) / duration if duration else None,
@@ -314,7 +319,8 @@ def replay_metrics(
         "e2e_mean_s": float(e2e.mean()) if len(e2e) else None,
         "e2e_p50_s": q(e2e, 0.5),
         "e2e_p99_s": q(e2e, 0.99),
-        "slo_attainment": slo_ok / (len(done) + n_rejected) if done or n_rejected else None,
+        "n_slo_met": slo_ok,
+        "slo_attainment": slo_ok / (n_requests - n_rejected) if n_requests > n_rejected else None,
         "prefix_hit_share": (
             sum(c for c in cached if c is not None) / max(1, sum(r.input_tokens for r in done))
             if cached and all(c is not None for c in cached)
@@ -414,7 +420,7 @@ class Replayer:
             self.n_requests,
             time_scale=self.time_scale,
             slo_ttft_s=cfg.slo_ttft_s,
-            slo_itl_s=cfg.slo_itl_s,
+            slo_tpot_s=cfg.slo_tpot_s,
         )
         return ReplayResult(
             self.trace.name, cfg, self.time_scale, source, info, metrics, self.records, wall_s, timed_out

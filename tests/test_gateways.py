@@ -45,9 +45,10 @@ def _port_closed(port: int) -> bool:
 
 def test_regular_and_pd_command_lines() -> None:
     spec = GatewaySpec("smg", workers=("http://127.0.0.1:1", "http://127.0.0.1:2"), policy="round_robin")
-    cmd = gateway_command(spec, 4000, python="py")
+    cmd = gateway_command(spec, 4000, python="py", metrics_port=4100)
     assert cmd == [
-        "py", "-m", "smg", "launch", "--host", "127.0.0.1", "--port", "4000", "--policy", "round_robin",
+        "py", "-m", "smg", "launch", "--host", "127.0.0.1", "--port", "4000",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "4100", "--policy", "round_robin",
         "--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2",
     ]  # fmt: skip
     pd = GatewaySpec(
@@ -57,8 +58,9 @@ def test_regular_and_pd_command_lines() -> None:
         decode_policy="power_of_two",
         extra_args=("--cache-threshold", "0.5"),
     )
-    assert gateway_command(pd, 4001, python="py") == [
+    assert gateway_command(pd, 4001, python="py", metrics_port=4101) == [
         "py", "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "4001",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "4101",
         "--policy", "cache_aware", "--pd-disaggregation",
         "--prefill", "http://127.0.0.1:1", "8998", "--prefill", "http://127.0.0.1:2", "none",
         "--decode", "http://127.0.0.1:3", "--decode-policy", "power_of_two", "--cache-threshold", "0.5",

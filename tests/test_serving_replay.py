@@ -132,7 +132,7 @@ def test_replay_metrics_by_hand() -> None:
         RequestRecord(2, -1, 100, 5, 1.1, None, None, status=400, rejected=True, error="HTTP 400"),
         RequestRecord(3, -1, 100, 5),  # never sent
     ]
-    m = replay_metrics(records, 4, slo_ttft_s=0.3, slo_itl_s=0.05)
+    m = replay_metrics(records, 4, slo_ttft_s=0.3, slo_tpot_s=0.05)
     assert list(m) == [f.name for f in fields(RunMetrics)]
     assert (m["n_requests"], m["n_finished"], m["n_rejected"]) == (4, 2, 1)
     assert m["duration_s"] == pytest.approx(1.22)
@@ -146,7 +146,7 @@ def test_replay_metrics_by_hand() -> None:
     assert m["prefix_hit_share"] is None  # the server reported no cached tokens
     for key in UNOBSERVED_METRICS:
         assert m[key] is None
-    scaled = replay_metrics(records, 4, time_scale=2.0, slo_ttft_s=0.3, slo_itl_s=0.05)
+    scaled = replay_metrics(records, 4, time_scale=2.0, slo_ttft_s=0.3, slo_tpot_s=0.05)
     assert scaled["ttft_mean_s"] == pytest.approx(0.175)
     assert scaled["input_tokens_per_s"] == pytest.approx(2 * 200 / 1.22)
     assert scaled["slo_attainment"] == pytest.approx(2 / 3)  # in emulated time request 0 meets 0.3 s
@@ -158,7 +158,8 @@ def test_replay_metrics_without_a_finished_request_are_null_not_nan() -> None:
     assert m["n_finished"] == 0
     text = json.dumps(m)
     _strict_json(text)
-    assert m["ttft_mean_s"] is None and m["duration_s"] is None and m["slo_attainment"] is None
+    assert m["ttft_mean_s"] is None and m["duration_s"] is None
+    assert m["slo_attainment"] == 0.0  # the one request did not finish: a miss
 
 
 def test_find_time_scale() -> None:
