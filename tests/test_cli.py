@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,9 @@ def test_simulate_prints_the_table_and_writes_json(tmp_path: Path) -> None:
         str(out),
     )
     assert done.returncode == 0, done.stderr
-    assert "TTFT mean / p50 / p99" in done.stdout and "requests finished             80 / 80" in done.stdout
+    assert "TTFT mean / p50 / p99" in done.stdout
+    assert re.search(r"requests finished\s+80 / 80\n", done.stdout)
+    assert re.search(r"busy share decode\s+D0 \d+ %, D1 \d+ %, D2 \d+ %, D3 \d+ %", done.stdout)
     payload = json.loads(out.read_text())
     assert payload["metrics"]["n_finished"] == 80 and payload["config"]["n_decode"] == 4
 

@@ -382,10 +382,11 @@ def test_replay_command_prints_simulates_table_and_writes_json(tmp_path: Path) -
     assert sim.returncode == 0, sim.stderr
     replay_labels, sim_labels = _labels(run.stdout), _labels(sim.stdout)
     renamed = {
-        "rejected (refused by the server)": "rejected (larger than KV)",
+        "rejected (refused by the server)": "rejected (beyond context or KV)",
         "duration": "simulated duration",
     }
-    assert [renamed.get(label, label) for label in replay_labels] == sim_labels
+    node_labels = ["busy share prefill", "busy share decode"]  # only the simulator knows its workers
+    assert [renamed.get(label, label) for label in replay_labels] + node_labels == sim_labels
     assert "requests finished" in run.stdout and "4 / 4" in run.stdout
     payload = _strict_json(out.read_text())
     assert list(payload["metrics"]) == [f.name for f in fields(RunMetrics)]

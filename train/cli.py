@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from train.jsonio import write_json
 from train.model_args import add_model_arguments, describe_deployment, model_from_args, model_options
+from train.run_table import metric_rows, node_rows
 
 # W&B stays offline unless the user logged in and asked for online mode.
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -56,7 +57,49 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(p)
+    add_cluster_arguments(p)
     p.set_defaults(func=_run_simulate)
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """Serving settings of the simulated cluster that every policy of a run shares (defaults: SGLang's
+    and smg 1.13.0's, from ``ClusterConfig``)."""
+    from envs.cluster_config import ClusterConfig
+    from policies.routing import ROUTING_POLICIES
+
+    d = ClusterConfig()
+    p.add_argument(
+        "--context-policy",
+        choices=("compact", "reject"),
+        default=d.context_policy,
+        help="requests past the model's context window: cut to fit (default) or rejected",
+    )
+    p.add_argument(
+        "--prefill-routing", choices=ROUTING_POLICIES, default=d.prefill_routing, help="prefill selection"
+    )
+    p.add_argument(
+        "--decode-routing", choices=ROUTING_POLICIES, default=d.decode_routing, help="decode selection"
+    )
+    p.add_argument(
+        "--decode-prefix-cache",
+        action="store_true",
+        default=d.decode_prefix_cache,
+        help="decode workers keep a radix prefix cache (SGLang --disaggregation-decode-enable-radix-cache)",
+    )
+
+
+def cluster_overrides(args: argparse.Namespace) -> tuple[tuple[str, object], ...]:
+    """The ``ClusterConfig`` fields ``add_cluster_arguments`` set, as ``Point.cluster_overrides``."""
+    from envs.cluster_config import ClusterConfig
+
+    d = ClusterConfig()
+    chosen = {
+        "context_policy": args.context_policy,
+        "prefill_routing": args.prefill_routing,
+        "decode_routing": args.decode_routing,
+        "decode_prefix_cache": args.decode_prefix_cache,
+    }
+    return tuple((k, v) for k, v in chosen.items() if v != getattr(d, k))
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -75,31 +118,11 @@ def _run_simulate(args: argparse.Namespace) -> int:
         max_requests=args.max_requests,
         seed=args.seed,
         rate_curve=args.rate_curve,
+        cluster_overrides=cluster_overrides(args),
         **model_options(args),
     )
     result = run_point(point, progress=not args.no_progress)
-    m = result.metrics
-    rows = [
-        ("requests finished", f"{m.n_finished} / {m.n_requests}"),
-        ("rejected (larger than KV)", f"{m.n_rejected}"),
-        ("simulated duration", f"{m.duration_s:,.1f} s"),
-        ("input throughput", f"{m.input_tokens_per_s:,.0f} tok/s"),
-        ("output throughput", f"{m.output_tokens_per_s:,.0f} tok/s"),
-        ("TTFT mean / p50 / p99", f"{m.ttft_mean_s:.3f} / {m.ttft_p50_s:.3f} / {m.ttft_p99_s:.3f} s"),
-        (
-            "ITL mean / p50 / p99",
-            f"{1e3 * m.itl_mean_s:.1f} / {1e3 * m.itl_p50_s:.1f} / {1e3 * m.itl_p99_s:.1f} ms",
-        ),
-        ("E2E mean / p99", f"{m.e2e_mean_s:.2f} / {m.e2e_p99_s:.2f} s"),
-        ("SLO attainment", f"{100 * m.slo_attainment:.1f} %"),
-        ("prefix-cache hit share", f"{100 * m.prefix_hit_share:.1f} %"),
-        ("borrowed / fallback", f"{100 * m.borrowed_share:.1f} % / {100 * m.fallback_share:.1f} %"),
-        (
-            "utilisation prefill / decode",
-            f"{100 * m.prefill_utilisation:.0f} % / {100 * m.decode_utilisation:.0f} %",
-        ),
-        ("retractions", f"{m.retractions}"),
-    ]
+    rows = metric_rows(result.metrics.to_dict()) + node_rows(result.nodes.to_dict(orient="records"))
     cfg = result.config
     deployment = describe_deployment(spec, args)
     print(

@@ -85,6 +85,8 @@ class Point:
     """Expert-parallel degree per worker (MoE models)."""
     dp_attention: int = 1
     """Data-parallel attention replicas per worker (MoE models)."""
+    cluster_overrides: tuple[tuple[str, Any], ...] = ()
+    """``ClusterConfig`` fields set away from their defaults, e.g. ``(("decode_prefix_cache", True),)``."""
 
     @property
     def resolved_tp(self) -> int:
@@ -92,10 +94,7 @@ class Point:
 
     def cluster(self) -> ClusterConfig:
         return ClusterConfig.from_shape(
-            self.shape,
-            gpu=self.gpu,
-            model=self.model,
-            tp=self.resolved_tp,
+            self.shape, gpu=self.gpu, model=self.model, tp=self.resolved_tp, **dict(self.cluster_overrides)
         )
 
     def label(self) -> str:
@@ -115,7 +114,7 @@ class Point:
                 ("dp", self.dp_attention),
             )
             if v not in (None, 1)
-        )
+        ) + "".join(f"|{k}={v}" for k, v in self.cluster_overrides)
 
     def cost_model(self) -> CostModel:
         """The cost model of one worker of this point (model, precision, parallelism)."""

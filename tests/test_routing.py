@@ -1,0 +1,152 @@
+"""Gateway routing rules (policies/routing.py) on hand-built pools; their defaults against smg's source."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policies.routing import (
+    ROUTING_POLICIES,
+    CacheAware,
+    CacheAwareConfig,
+    OverloadProtection,
+    PowerOfTwo,
+    RoundRobin,
+    SglangRouterCacheAware,
+    WorkerPool,
+    make_routing_policy,
+)
+
+
+def _pool(loads: list[int], processed: list[int] | None = None) -> WorkerPool:
+    pool = WorkerPool(len(loads))
+    pool.load = list(loads)
+    pool.processed = list(processed) if processed is not None else [0] * len(loads)
+    return pool
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+def _router_args_defaults() -> dict[str, object]:
+    spec = importlib.util.find_spec("smg")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("smg is not installed (pip install 'crossflow[serving]')")
+    source = Path(spec.submodule_search_locations[0], "router_args.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RouterArgs")
+    values: dict[str, object] = {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            try:  # constants and constant arithmetic such as 2**26; skip factories and names
+                values[node.target.id] = eval(  # a literal expression from the file, no names in scope
+                    compile(ast.Expression(node.value), "<router_args>", "eval"), {"__builtins__": {}}
+                )
+            except (NameError, TypeError):
+                continue
+    return values
+
+
+def test_defaults_are_smg_1_13_command_line_defaults() -> None:
+    """The parameters are read from the installed smg wheel's ``router_args.py`` (not restated)."""
+    smg = _router_args_defaults()
+    cfg, over = CacheAwareConfig(), OverloadProtection()
+    assert smg["policy"] == "cache_aware" and smg["prefill_policy"] is None and smg["decode_policy"] is None
+    assert cfg.cache_threshold == smg["cache_threshold"] == 0.3
+    assert cfg.balance_abs_threshold == smg["balance_abs_threshold"] == 64
+    assert cfg.balance_rel_threshold == smg["balance_rel_threshold"] == 1.5
+    assert cfg.eviction_interval_s == smg["eviction_interval_secs"]
+    assert cfg.max_tree_size == smg["max_tree_size"]
+    assert smg["worker_overload_protection"] is True
+    assert over.waiting_requests == smg["worker_overload_waiting_requests"] == 8
+    assert over.token_usage == smg["worker_overload_token_usage"] == 0.8
+    assert over.load_monitor_interval_s == smg["load_monitor_interval"]
+
+
+def test_cache_hit_goes_to_the_least_loaded_tenant_holding_the_longest_match() -> None:
+    rule = CacheAware()
+    matches = {0: 800, 1: 800, 2: 100, 3: 0}
+    # workers 0 and 1 hold the 800-token match (80 % of 1000 > 0.3); 1 is less loaded
+    assert rule.choose(_pool([5, 3, 0, 0]), 1000, matches.__getitem__, _rng()) == 1
+    # ties among tenants are broken at random, reproducibly per seed
+    tie = _pool([2, 2, 0, 0])
+    picks = {rule.choose(tie, 1000, matches.__getitem__, np.random.default_rng(s)) for s in range(20)}
+    assert picks == {0, 1}
+
+
+def test_cache_miss_goes_to_the_least_loaded_worker_with_smg_tie_break() -> None:
+    rule = CacheAware()
+    weak = {0: 300, 1: 0, 2: 0}.__getitem__  # 300 / 1000 = 0.3 is not above the threshold
+    assert rule.choose(_pool([0, 2, 1]), 1000, weak, _rng()) == 0
+    # equal in-flight counts: fewer requests ever dispatched wins, then the lower index
+    assert rule.choose(_pool([1, 1, 1], processed=[9, 4, 4]), 1000, weak, _rng()) == 1
+
+
+def test_spill_gate_needs_both_the_relative_and_the_absolute_margin() -> None:
+    cfg = CacheAwareConfig()
+    # margin at mean 5: 64 capped at the natural swing 2 sqrt(5) = 4.47 (never under 4)
+    assert cfg.spill_margin(5.0) == pytest.approx(2 * np.sqrt(5.0))
+    assert cfg.spill_margin(1.0) == 4.0
+    assert cfg.spill_margin(10_000.0) == 64.0
+    assert CacheAwareConfig(balance_abs_threshold=2).spill_margin(100.0) == 2.0
+    rule = CacheAware(cfg)
+    hit = {0: 900, 1: 0, 2: 0, 3: 0}.__getitem__
+    # 20 > 1.5 x 5 and 20 > 5 + 4.47: spill to the least loaded
+    assert rule.choose(_pool([20, 0, 0, 0]), 1000, hit, _rng()) == 1
+    # 8 > 1.5 x 5 but 8 < 5 + 4.47: stay with the cache
+    assert rule.choose(_pool([8, 4, 4, 4]), 1000, hit, _rng()) == 0
+
+
+def test_overload_protection_leaves_out_overloaded_workers_unless_all_are() -> None:
+    over = OverloadProtection()
+    assert over.is_overloaded(8, 0.1) and over.is_overloaded(0, 0.8) and not over.is_overloaded(7, 0.79)
+    pool = _pool([0, 5, 6])
+    pool.overloaded = [True, False, False]
+    hit0 = {0: 900, 1: 0, 2: 0}.__getitem__
+    assert CacheAware().choose(pool, 1000, hit0, _rng()) == 1  # the cache holder is vetoed
+    pool.overloaded = [True, True, True]
+    assert CacheAware().choose(pool, 1000, hit0, _rng()) == 0  # all over: every worker is a candidate
+    assert pool.candidates() == [0, 1, 2]
+
+
+def test_sglang_router_0_3_2_rule_balances_globally_then_smallest_tree() -> None:
+    rule = SglangRouterCacheAware()
+    sizes = {0: 5000, 1: 100, 2: 700}.__getitem__
+    miss = {0: 0, 1: 0, 2: 0}.__getitem__
+    assert rule.choose(_pool([0, 3, 0]), 1000, miss, _rng(), sizes) == 1  # smallest tree, not least loaded
+    hit = {0: 0, 1: 0, 2: 600}.__getitem__
+    assert rule.choose(_pool([0, 3, 0]), 1000, hit, _rng(), sizes) == 2
+    # imbalanced (100 - 0 > 64 and 100 > 1.5 x 0): least loaded whatever the cache says
+    assert rule.choose(_pool([100, 3, 0]), 1000, {0: 900, 1: 0, 2: 0}.__getitem__, _rng(), sizes) == 2
+
+
+def test_round_robin_and_power_of_two() -> None:
+    rr = RoundRobin()
+    pool = _pool([0, 0, 0])
+    assert [rr.choose(pool, 10, lambda i: 0, _rng()) for _ in range(4)] == [0, 1, 2, 0]
+    p2 = PowerOfTwo()
+    pool = _pool([9, 0, 9, 9])
+    rng = np.random.default_rng(3)
+    picks = [p2.choose(pool, 10, lambda i: 0, rng) for _ in range(200)]
+    assert 0 in set(picks) and picks.count(1) > 80  # worker 1 wins every draw that includes it
+    again = np.random.default_rng(3)
+    assert picks == [p2.choose(pool, 10, lambda i: 0, again) for _ in range(200)]
+
+
+def test_registry_and_pool_counters() -> None:
+    for name in ROUTING_POLICIES:
+        assert make_routing_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        make_routing_policy("fastest")
+    pool = WorkerPool(2)
+    pool.dispatched(1)
+    pool.dispatched(1)
+    pool.finished(1)
+    assert pool.load == [0, 1] and pool.processed == [0, 2]
+    with pytest.raises(ValueError, match="no request in flight"):
+        pool.finished(0)
