@@ -28,7 +28,7 @@ def _run(sessions: int | None, shape: str, rate: float) -> tuple[float, int, int
     start = time.perf_counter()
     sim.run()
     wall = time.perf_counter() - start
-    iterations = sum(k for _, _, k, _ in sim.itl_segments)
+    iterations = sum(w.iterations for w in sim.decode)
     events = sim._seq
     return wall, len(trace), iterations, events
 

@@ -80,9 +80,11 @@ class ClusterConfig:
     prefix is lost) or ``reject`` (refused at arrival with a reason, outside the SLO denominator)."""
     max_context_tokens: int | None = None
     """Context window in tokens; ``None`` takes the catalog model's ``max_context_tokens``."""
-    max_decode_jump_iters: int = 32
-    """At most this many identical-batch decode iterations are simulated as one event (exact
-    timing: iteration times are summed analytically; an interrupting event splits the jump)."""
+    max_decode_jump_iters: int = 1 << 20
+    """At most this many identical-batch decode iterations are simulated as one event. Exact: the
+    jump computes every iteration's time and the clock as single events would, applies finished
+    iterations before anything reads the worker, and an event that changes the batch cuts it at the
+    iteration in flight, so any cap gives bit-identical results (``1`` simulates one by one)."""
 
     @classmethod
     def from_shape(cls, shape: str, **overrides: object) -> ClusterConfig:

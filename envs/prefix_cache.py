@@ -140,3 +140,29 @@ class PrefixCache:
                 break
             del self._cached_end[origin]
             self.used_pages -= end - self._first.pop(origin)
+
+
+def match_all(caches: Sequence[PrefixCache], request_id: int) -> list[int]:
+    """``[c.match_tokens(request_id) for c in caches]`` in one walk of the request's segments (the caches
+    must share one ``PrefixIndex``): a router asks every worker of a pool for each request."""
+    if not caches:
+        return []
+    index = caches[0].index
+    matched = [0] * len(caches)
+    active = list(range(len(caches)))
+    for origin, first, end in index.segments(request_id):
+        still: list[int] = []
+        for i in active:
+            cache = caches[i]
+            cached_end = cache._cached_end.get(origin)
+            if cached_end is None or cache._first[origin] > first:
+                continue
+            upto = cached_end if cached_end < end else end
+            matched[i] += upto - first
+            if upto >= end:
+                still.append(i)
+        if not still:
+            break
+        active = still
+    page = index.page_tokens
+    return [m * page for m in matched]

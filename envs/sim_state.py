@@ -11,6 +11,9 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from envs.itl import ItlHistogram
 from envs.prefix_cache import PrefixCache
 from envs.request import Request
 from policies.admission import LeaseTokenBucket
@@ -153,22 +156,29 @@ class DecodeWorker:
     retracted_tokens: int = 0
     """KV the retracted requests waiting here need to resume (held back from pre-allocation)."""
     busy: bool = False
-    busy_s: float = 0.0
+    busy_ns: int = 0
+    """Time spent iterating, in integer nanoseconds (exact and independent of how iterations group)."""
     generation: int = 0
     link_free_s: float = 0.0
     wake_pending: bool = False
-    # current iteration (or jump of identical iterations)
-    iter_start_s: float = 0.0
-    iter_t0_s: float = 0.0
-    iter_dt_s: float = 0.0
-    iter_k: int = 0
+    # current iteration, or jump of identical decode-only iterations
+    iter_times_s: list[float] | np.ndarray = field(default_factory=list)
+    """Duration of each iteration of the jump in flight (one entry for a mixed iteration)."""
+    iter_ends_s: list[float] | np.ndarray = field(default_factory=list)
+    """End time of each, accumulated one iteration after the other as single events would be."""
+    iter_applied: int = 0
+    """Iterations of the jump whose tokens are already applied (``Simulator._sync``)."""
+    iter_decode_only_s: float = 0.0
     iter_prefill: list[tuple[ReqState, int]] = field(default_factory=list)
-    # per control interval accounting
-    step_time_sum_s: float = 0.0
-    decode_only_sum_s: float = 0.0
+    itl: ItlHistogram = field(default_factory=ItlHistogram)
+    """Inter-token latencies of this worker's tokens."""
+    # per control interval accounting (integer nanoseconds)
+    step_time_ns: int = 0
+    decode_only_ns: int = 0
     """What the same iterations would have taken without prefill mixed in."""
     step_count: int = 0
-    iter_decode_only_s: float = 0.0
+    iterations: int = 0
+    """Forward iterations run so far (those inside a jump included)."""
     borrowed_tokens_total: int = 0
     """Borrowed prefill tokens executed on this node (spent from its token bucket)."""
 
@@ -197,14 +207,3 @@ class DecodeCacheMatches(Mapping[int, int]):
 
     def __len__(self) -> int:
         return len(self._workers)
-
-
-def iteration_boundary(t0: float, dt: float, elapsed: float, k: int) -> int:
-    """Smallest j in [1, k] with j*t0 + dt*j*(j-1)/2 >= elapsed."""
-    if dt <= 0.0:
-        j = math.ceil(elapsed / t0 - 1e-12) if t0 > 0 else 1
-    else:
-        # dt/2 j^2 + (t0 - dt/2) j - elapsed = 0
-        a, b = dt / 2.0, t0 - dt / 2.0
-        j = math.ceil((-b + math.sqrt(b * b + 4 * a * elapsed)) / (2 * a) - 1e-9)
-    return min(k, max(1, j))

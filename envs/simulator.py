@@ -39,10 +39,11 @@ and any event that reaches the node mid-jump cuts it at the next iteration bound
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -51,8 +52,9 @@ from envs.cluster_config import ClusterConfig
 from envs.context import fit_context_window
 from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
+from envs.itl import to_ns
 from envs.metrics import SimResult, build_result
-from envs.prefix_cache import PrefixCache, PrefixIndex
+from envs.prefix_cache import PrefixCache, PrefixIndex, match_all
 from envs.request import Trace
 from envs.sim_state import (
     BORROWED,
@@ -62,7 +64,6 @@ from envs.sim_state import (
     DecodeWorker,
     PrefillWorker,
     ReqState,
-    iteration_boundary,
 )
 from policies.admission import LeaseTokenBucket, borrowed_chunk_tokens, prealloc_fits
 from policies.node_state import NodeState
@@ -168,7 +169,8 @@ class Simulator:
         self.finished = 0
         self.counters = Counters()
         self.rejected_context = 0
-        self.itl_segments: list[tuple[float, float, int, int]] = []
+        self._decode_terms: dict[int, tuple[float, float]] = {}
+        self._event_kind = _EV_RELEASE
         self.node_timeline: list[tuple[float, int, float, int, int]] = []
         self._tick_pending = False
         self._schedule_arrivals(load_factor, session_rate_per_s, session_rate_curve)
@@ -227,6 +229,7 @@ class Simulator:
                 return True
             t, kind, _, a, b = heapq.heappop(events)
             self.now_s = t
+            self._event_kind = kind
             if kind == _EV_DECODE:
                 self._on_decode_done(a, b)
             elif kind == _EV_PREFILL:
@@ -291,9 +294,11 @@ class Simulator:
         assert self.scheduler is not None
         pidx, cached = self._pick_prefill(req)
         uncached = req.input - cached
-        decode_cached: Mapping[int, int] = (
-            DecodeCacheMatches(self.decode, req) if self.config.decode_prefix_cache else {}
-        )
+        decode_cached: Mapping[int, int] = {}
+        if self.config.decode_prefix_cache:
+            for w in self.decode:
+                self._sync(w)
+            decode_cached = DecodeCacheMatches(self.decode, req)
         query = PathQuery(
             request_id=req.rid,
             session_id=self._session[req.rid],
@@ -349,6 +354,7 @@ class Simulator:
             usage = held / self.cm.kv_capacity_tokens
             self.prefill_pool.overloaded[pw.idx] = rule.is_overloaded(waiting, usage)
         for w in self.decode:
+            self._sync(w)
             self.decode_pool.overloaded[w.idx] = rule.is_overloaded(
                 len(w.prealloc) + len(w.waiting) + len(w.retracted), w.kv_used / w.capacity_tokens
             )
@@ -358,23 +364,24 @@ class Simulator:
         says that worker holds (at most ``input - 1``: the last token is always computed)."""
         self._poll_loads()
         tree = self._prefill_tree
-        rid = req.rid
+        matches = match_all(tree, req.rid)
         idx = self._prefill_router.choose(
             self.prefill_pool,
             req.input,
-            lambda i: tree[i].match_tokens(rid),
+            matches.__getitem__,
             self._route_rng,
             lambda i: tree[i].used_pages * self.config.page_tokens,
         )
-        return idx, min(tree[idx].match_tokens(rid), req.input - 1)
+        return idx, min(matches[idx], req.input - 1)
 
     def _pick_decode(self, req: ReqState) -> int:
         tree = self._decode_tree
-        rid = req.rid
-        return self._decode_router.choose(
+        router = self._decode_router
+        matches = match_all(tree, req.rid) if router.uses_prefix_match else [0] * len(tree)
+        return router.choose(
             self.decode_pool,
             req.input,
-            lambda i: tree[i].match_tokens(rid),
+            matches.__getitem__,
             self._route_rng,
             lambda i: tree[i].used_pages * self.config.page_tokens,
         )
@@ -400,6 +407,7 @@ class Simulator:
             self.scheduler.on_fallback(req.reservation)
         self.counters.fallbacks += 1
         self.decode_pool.finished(req.decode_worker)
+        self._cut_jump(self.decode[req.decode_worker])  # its lease KV is free: admissions re-check
         req.path = FALLBACK
         req.reservation = -1
         req.pull = 0
@@ -440,13 +448,17 @@ class Simulator:
 
     def _try_prealloc(self, w: DecodeWorker) -> None:
         """Pre-allocate KV for the requests queued on ``w`` (FIFO) and release them to their prefill."""
+        if w.prealloc:
+            self._sync(w)
+        allocated = False
         while w.prealloc:
             req = w.prealloc[0]
             d_cached = min(w.cache.match_tokens(req.rid, touch=True), req.input - 1) if w.cache else 0
             need = req.input - d_cached
             if not self._kv_fits(w, need):
-                return
+                break
             w.prealloc.popleft()
+            allocated = True
             req.d_cached = d_cached
             req.kv_held = need
             req.context = req.input
@@ -456,6 +468,8 @@ class Simulator:
             pw = self.prefill[req.prefill_worker]
             if not pw.busy:
                 self._start_prefill_iteration(pw)
+        if allocated:  # less KV for the jump in flight: its next iteration re-checks the room
+            self._cut_jump(w)
 
     # ---------------------------------------------------------------- prefill workers
     def _start_prefill_iteration(self, pw: PrefillWorker) -> None:
@@ -516,15 +530,98 @@ class Simulator:
         """Something arrived for ``w``: start an iteration, or cut a running jump short."""
         if not w.busy:
             self._start_decode_iteration(w)
+        else:
+            self._cut_jump(w)
+
+    def _boundary(self, ends: list[float] | np.ndarray) -> int:
+        """Iterations of ``ends`` finished by now, as single-iteration events would have it: an
+        iteration ending exactly now counts as finished when the event in hand sorts after decode
+        events at equal times (arrivals, ticks), and as still running when it sorts before (transfers,
+        prefill iterations) or is another worker's decode event."""
+        side: Literal["left", "right"] = "right" if self._event_kind > _EV_DECODE else "left"
+        if isinstance(ends, np.ndarray):
+            return int(np.searchsorted(ends, self.now_s, side=side))
+        return (bisect.bisect_right if side == "right" else bisect.bisect_left)(ends, self.now_s)
+
+    def _cut_jump(self, w: DecodeWorker) -> None:
+        """End ``w``'s jump at the iteration in flight, so the next iteration sees what just changed."""
+        k = len(w.iter_ends_s)
+        if not w.busy or k - w.iter_applied <= 1:
             return
-        if w.iter_k <= 1:
-            return
-        j = iteration_boundary(w.iter_t0_s, w.iter_dt_s, self.now_s - w.iter_start_s, w.iter_k)
-        if j < w.iter_k:
+        j = min(k, self._boundary(w.iter_ends_s) + 1)
+        if j < k:
             w.generation += 1
-            w.iter_k = j
-            end = w.iter_start_s + j * w.iter_t0_s + w.iter_dt_s * j * (j - 1) / 2
-            self._push(end, _EV_DECODE, w.idx, w.generation)
+            w.iter_times_s = w.iter_times_s[:j]
+            w.iter_ends_s = w.iter_ends_s[:j]
+            self._push(float(w.iter_ends_s[j - 1]), _EV_DECODE, w.idx, w.generation)
+
+    def _sync(self, w: DecodeWorker) -> None:
+        """Apply the iterations of ``w``'s jump that have finished by now (before anything reads the
+        worker's state), leaving the one in flight; a no-op outside a jump."""
+        k = len(w.iter_ends_s)
+        if w.busy and k - w.iter_applied > 1:
+            self._apply_decode(w, min(k - 1, self._boundary(w.iter_ends_s)))
+
+    def _apply_decode(self, w: DecodeWorker, upto: int) -> None:
+        """Apply decode-only iterations ``[iter_applied, upto)`` of the jump: tokens, KV growth, time
+        accounting, and the prefix-cache evictions each iteration's start made room with."""
+        start = w.iter_applied
+        if upto <= start:
+            return
+        n = len(w.running)
+        if w.cache is not None and upto > start + 1:  # evictions up to the last one's start
+            self._advance_decode(w, start, upto - 1, n)
+            self._make_room(w, n)
+            start = upto - 1
+        self._advance_decode(w, start, upto, n)
+
+    def _advance_decode(self, w: DecodeWorker, start: int, upto: int, n: int) -> None:
+        m = upto - start
+        if m <= 0:
+            return
+        times = w.iter_times_s[start:upto]
+        self._account(w, times, times, n)
+        last_s = float(w.iter_ends_s[upto - 1])
+        for req in w.running:
+            req.kv_held += m
+            req.context += m
+            req.generated += m
+            req.last_token_s = last_s
+        w.kv_used += n * m
+        self.counters.output_tokens += n * m
+        w.iter_applied = upto
+
+    def _account(
+        self, w: DecodeWorker, times: list[float] | np.ndarray, decode_only: list[float] | np.ndarray, n: int
+    ) -> None:
+        """Add iterations to ``w``'s busy time, interval sums and ITL histogram, in integer
+        nanoseconds, so one jump and the same iterations one by one add up identically."""
+        slo = self.config.slo_tpot_s
+        if len(times) == 1:
+            t, ns = float(times[0]), to_ns(float(times[0]))
+            w.busy_ns += ns
+            w.step_time_ns += ns
+            w.decode_only_ns += to_ns(float(decode_only[0]))
+            if n:
+                w.itl.add(t, n)
+                if t > slo:
+                    self.counters.itl_slo_miss_tokens += n
+        else:
+            arr = np.asarray(times, dtype=np.float64)
+            ns_arr = np.rint(arr * 1e9).astype(np.int64)
+            total = int(ns_arr.sum())
+            w.busy_ns += total
+            w.step_time_ns += total
+            w.decode_only_ns += (
+                total
+                if decode_only is times
+                else int(np.rint(np.asarray(decode_only, dtype=np.float64) * 1e9).astype(np.int64).sum())
+            )
+            if n:  # a jump: its iteration times never decrease
+                w.itl.add_many(arr, n, ascending=True)
+                self.counters.itl_slo_miss_tokens += (len(arr) - int(np.searchsorted(arr, slo, "right"))) * n
+        w.step_count += len(times)
+        w.iterations += len(times)
 
     def _on_wake(self, idx: int) -> None:
         w = self.decode[idx]
@@ -668,6 +765,16 @@ class Simulator:
             w.wake_pending = True
             self._push(max(self.now_s + wait_s, math.nextafter(self.now_s, math.inf)), _EV_WAKE, w.idx, 0)
 
+    def _decode_linear(self, batch: int) -> tuple[float, float]:
+        """``(fixed_s, per_context_token_s)`` of a decode-only iteration of ``batch`` requests: its time
+        is ``fixed_s + context_tokens * per_context_token_s`` (the cost model is linear in context)."""
+        terms = self._decode_terms.get(batch)
+        if terms is None:
+            fixed = self.cm.iteration_time_s((), batch, 0)
+            per_ctx = self.cm.iteration_time_s((), batch, 1_000_000) - fixed
+            terms = self._decode_terms[batch] = (fixed, per_ctx / 1_000_000)
+        return terms
+
     def _start_decode_iteration(self, w: DecodeWorker) -> None:
         cfg = self.config
         self._admit(w)
@@ -679,7 +786,8 @@ class Simulator:
         prefill = [(req, req.context) for req in w.running if req.needs_recompute]
         batch = len(w.running) - len(prefill)
         ctx = sum(r.context for r in w.running if not r.needs_recompute)
-        decode_step = self.cm.iteration_time_s((), batch, ctx) if batch else 0.0
+        fixed_s, per_ctx_s = self._decode_linear(batch) if batch else (0.0, 0.0)
+        decode_step = fixed_s + ctx * per_ctx_s if batch else 0.0
         prefill.extend(self._take_borrowed_chunks(w))
         if batch == 0 and not prefill:
             w.busy = False
@@ -688,57 +796,56 @@ class Simulator:
         k = 1
         if not prefill and not (w.borrowed and w.bucket.rate_tokens_per_s > 0):
             k = min(cfg.max_decode_jump_iters, min(r.output - r.generated for r in w.running))
-            if growing:
-                k = max(1, min(k, (w.capacity_tokens - w.kv_used) // growing))
-                self._make_room(w, growing * k)
-        chunks = [(take, 0 if req.needs_recompute else req.done) for req, take in prefill]
-        t0 = self.cm.iteration_time_s(chunks, batch, ctx) if chunks else decode_step
-        dt = 0.0
-        if k > 1:
-            dt = max(0.0, self.cm.iteration_time_s((), batch, ctx + batch) - decode_step)
+            k = max(1, min(k, (w.capacity_tokens - w.kv_used) // growing))
+        times: list[float] | np.ndarray
+        ends: list[float] | np.ndarray
+        if prefill:
+            chunks = [(take, 0 if req.needs_recompute else req.done) for req, take in prefill]
+            t = self.cm.iteration_time_s(chunks, batch, ctx)
+            times, ends = [t], [self.now_s + t]
+        elif k == 1:
+            times, ends = [decode_step], [self.now_s + decode_step]
+        else:  # k identical iterations: exactly the times and clock that k single events would give
+            times = fixed_s + (ctx + np.arange(k, dtype=np.float64) * batch) * per_ctx_s
+            ends = np.add.accumulate(np.concatenate(([self.now_s], times)))[1:]
         w.busy = True
         w.generation += 1
-        w.iter_start_s = self.now_s
-        w.iter_t0_s, w.iter_dt_s, w.iter_k = t0, dt, k
+        w.iter_times_s, w.iter_ends_s, w.iter_applied = times, ends, 0
         w.iter_decode_only_s = decode_step
         w.iter_prefill = prefill
-        self._push(self.now_s + k * t0 + dt * k * (k - 1) / 2, _EV_DECODE, w.idx, w.generation)
+        self._push(float(ends[-1]), _EV_DECODE, w.idx, w.generation)
 
     def _on_decode_done(self, idx: int, generation: int) -> None:
         w = self.decode[idx]
         if generation != w.generation:
             return  # superseded by a cut jump
-        k, t0, dt = w.iter_k, w.iter_t0_s, w.iter_dt_s
-        elapsed = k * t0 + dt * k * (k - 1) / 2
-        w.busy_s += elapsed
-        w.step_time_sum_s += elapsed
-        w.decode_only_sum_s += elapsed if not w.iter_prefill else k * w.iter_decode_only_s
-        w.step_count += k
+        if w.iter_prefill:
+            self._on_mixed_done(w)
+        else:
+            self._apply_decode(w, len(w.iter_ends_s))
+        finished = [r for r in w.running if not r.needs_recompute and r.generated >= r.output]
+        for req in finished:
+            self._finish(w, req)
+        if w.prealloc:
+            self._try_prealloc(w)
+        self._start_decode_iteration(w)
+
+    def _on_mixed_done(self, w: DecodeWorker) -> None:
+        """One iteration that mixed prefill (recomputed contexts, borrowed chunks) into decode."""
         recomputed = {id(r) for r, _ in w.iter_prefill if r.needs_recompute}
         decoding = [r for r in w.running if id(r) not in recomputed]
-        if decoding:
-            self.itl_segments.append((t0, dt, k, len(decoding)))
-            c = self.counters
-            c.output_tokens += k * len(decoding)
-            slo = self.config.slo_tpot_s
-            if t0 + dt * (k - 1) > slo:  # iteration i takes t0 + i*dt: count those over the target
-                fast = 0 if t0 > slo else min(k, int((slo - t0) / dt) + 1)
-                slow = k - fast
-                c.itl_slo_miss_tokens += slow * len(decoding)
-        finished: list[ReqState] = []
+        self._account(w, w.iter_times_s, [w.iter_decode_only_s], len(decoding))
         for req in decoding:
-            w.kv_used += k
-            req.kv_held += k
-            req.context += k
-            req.generated += k
+            w.kv_used += 1
+            req.kv_held += 1
+            req.context += 1
+            req.generated += 1
             req.last_token_s = self.now_s
-            if req.generated >= req.output:
-                finished.append(req)
+        self.counters.output_tokens += len(decoding)
         for req, take in w.iter_prefill:
             if req.needs_recompute:
                 req.needs_recompute = False
-                gap = self.now_s - req.last_token_s
-                self.itl_segments.append((gap, 0.0, 1, 1))
+                w.itl.add(self.now_s - req.last_token_s, 1)
                 req.last_token_s = self.now_s
                 continue
             req.done += take
@@ -748,11 +855,6 @@ class Simulator:
             if req.done >= req.input:
                 self._borrowed_prefill_done(w, req)
         w.iter_prefill = []
-        for req in finished:
-            self._finish(w, req)
-        if w.prealloc:
-            self._try_prealloc(w)
-        self._start_decode_iteration(w)
 
     def _borrowed_prefill_done(self, w: DecodeWorker, req: ReqState) -> None:
         w.borrowed.remove(req)
@@ -801,6 +903,7 @@ class Simulator:
 
     # ---------------------------------------------------------------- control interval
     def _node_state(self, w: DecodeWorker) -> NodeState:
+        self._sync(w)
         running = [r for r in w.running if not r.needs_recompute]
         n = len(running)
         if n:
@@ -813,8 +916,8 @@ class Simulator:
         else:
             ctx_mean = ctx_std = rem = 0.0
         decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n)) if n else 0.0
-        recent = w.step_time_sum_s / w.step_count if w.step_count else 0.0
-        recent_decode_only = w.decode_only_sum_s / w.step_count if w.step_count else 0.0
+        recent = w.step_time_ns * 1e-9 / w.step_count if w.step_count else 0.0
+        recent_decode_only = w.decode_only_ns * 1e-9 / w.step_count if w.step_count else 0.0
         return NodeState(
             node_id=w.idx,
             time_s=self.now_s,
@@ -849,8 +952,8 @@ class Simulator:
                     w.borrowed.remove(req)
                     self._fallback(req)
             self.node_timeline.append((self.now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
-            w.step_time_sum_s = 0.0
-            w.decode_only_sum_s = 0.0
+            w.step_time_ns = 0
+            w.decode_only_ns = 0
             w.step_count = 0
             if w.borrowed and rate > 0:
                 self._kick_decode(w)
@@ -871,6 +974,9 @@ class Simulator:
         return [self.scheduler.granted_prefill_tokens(w.idx, self.now_s) for w in self.decode]
 
     def result(self) -> SimResult:
+        self._event_kind = _EV_TICK  # iterations ending at the stop time count as done
+        for w in self.decode:
+            self._sync(w)
         return build_result(self)
 
 
