@@ -4,8 +4,8 @@ LightGBM's own ``predict`` costs hundreds of microseconds per call (Python -> C 
 every tree is compiled into a lookup table over the grid its own split thresholds cut the input space
 into. One global sorted threshold list per feature maps an input to a global bin (``bisect``); per
 feature a precomputed ``(bins, trees)`` table turns that bin into each tree's contribution to the flat
-index of its cell, so a prediction is 6 bisects, 6 integer vector adds, one gather and one sum,
-independent of tree depth. The result equals LightGBM's up to float summation order.
+index of its cell, so a prediction is one bisect and one integer vector add per model input, one
+gather and one sum, independent of tree depth. The result equals LightGBM's up to float summation order.
 
 Exactness rests on LightGBM's numerical decision ``x <= threshold`` -> left (thresholds are parsed
 from the model text at full precision). Categorical splits, linear trees and zero-as-missing are
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from interference_model.fit import MODEL_FEATURES, ConformalShift, model_inputs
+from interference_model.fit import MODEL_FEATURES, ConformalShift, LeaseCap, model_inputs
 from interference_model.schema import FEATURES
 
 
@@ -56,12 +56,18 @@ def _collect_splits(node: dict[str, Any], thresholds: list[set[float]]) -> None:
 class SafeThroughputPredictor:
     """Predicts safe prefill tokens/s of a decode node from its state (see ``FEATURES``).
 
-    Built from a LightGBM model dump and the conformal shift: the prediction is
-    ``max(expm1(sum_of_trees - shift(batch)), 0)``. ``metadata`` is the artifact's metadata (may be empty).
+    Built from a LightGBM model dump of the ITL part, its conformal shift and the :class:`LeaseCap`:
+    the prediction is ``min(expm1(sum_of_trees - shift(batch)), KV room / horizon)`` tokens/s, the
+    average over the label's horizon, with the learned part read as 0 below the cap's floor.
+    ``metadata`` is the artifact's metadata (may be empty).
     """
 
     def __init__(
-        self, model_dump: dict[str, Any], shift: ConformalShift, metadata: dict[str, Any] | None = None
+        self,
+        model_dump: dict[str, Any],
+        shift: ConformalShift,
+        cap: LeaseCap,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         names = list(model_dump.get("feature_names", []))
         if names != list(MODEL_FEATURES):
@@ -69,7 +75,12 @@ class SafeThroughputPredictor:
         trees = [t["tree_structure"] for t in model_dump["tree_info"]]
         if not trees:
             raise ValueError("model has no trees")
-        self.shift = shift
+        capacity = cap.kv_capacity_tokens
+        if not (math.isfinite(capacity) and capacity > 0):
+            raise ValueError(f"kv_capacity_tokens must be > 0, got {capacity!r}")
+        self.shift, self.cap = shift, cap
+        self._capacity, self._floor = float(capacity), float(cap.min_rate_tokens_per_s)
+        self._horizon_s = cap.label.horizon_s if cap.label.kv_room else math.inf
         self._shift_edges = [float(e) for e in shift.batch_edges]
         self._shifts = [float(v) for v in shift.log_shifts]
         self.metadata: dict[str, Any] = dict(metadata or {})
@@ -122,7 +133,7 @@ class SafeThroughputPredictor:
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Safe prefill tokens/s per row of ``X`` (columns in ``FEATURES`` order); vectorised."""
         shift = self.shift.for_batch(np.asarray(X, dtype=float)[:, 0])
-        return np.maximum(np.expm1(self.raw_predict(X) - shift), 0.0)
+        return self.cap.apply(np.expm1(self.raw_predict(X) - shift), np.asarray(X, dtype=float))
 
     def safe_prefill_tokens_per_s(
         self,
@@ -132,7 +143,7 @@ class SafeThroughputPredictor:
         remaining_output_tokens_mean: float,
         kv_occupancy: float,
     ) -> float:
-        """One node's safe prefill throughput; the hot-path call (a few microseconds)."""
+        """One node's safe prefill tokens/s over the label's horizon; the hot-path call (a few us)."""
         x = (
             decode_batch_size,
             context_tokens_mean,
@@ -157,7 +168,12 @@ class SafeThroughputPredictor:
             + c[5][bisect_left(g[5], x[5])]
         )
         shift = self._shifts[bisect_right(self._shift_edges, x[0])]
-        return max(math.expm1(float(self._table[idx].sum()) - shift), 0.0)
+        value = math.expm1(float(self._table[idx].sum()) - shift)
+        if value < self._floor or value <= 0.0:
+            return 0.0
+        # The KV cap, as labels.kv_room_tokens and LeaseLabel.kv_cap_tokens_per_s compute it.
+        room = self._capacity * (1.0 - kv_occupancy) - decode_batch_size * remaining_output_tokens_mean
+        return min(value, (room if room >= 1.0 else 0.0) / self._horizon_s)
 
     def __repr__(self) -> str:
         meta = self.metadata
