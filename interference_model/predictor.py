@@ -1,11 +1,13 @@
 """A fast, dependency-light evaluator of the fitted trees for the scheduler's hot path.
 
-LightGBM's own ``predict`` costs hundreds of microseconds per call (Python -> C -> thread pool). Here
-every tree is compiled into a lookup table over the grid its own split thresholds cut the input space
-into. One global sorted threshold list per feature maps an input to a global bin (``bisect``); per
-feature a precomputed ``(bins, trees)`` table turns that bin into each tree's contribution to the flat
-index of its cell, so a prediction is one bisect and one integer vector add per model input, one
-gather and one sum, independent of tree depth. The result equals LightGBM's up to float summation order.
+LightGBM's own ``predict`` costs tens of microseconds per call on one thread (Python -> C), more
+with its default thread pool. Here every tree is compiled into a lookup table over the grid its own
+split thresholds cut the input space into. One global sorted threshold list per feature maps an
+input to a global bin (``bisect``); per feature a precomputed ``(bins, trees)`` table turns that bin
+into each tree's contribution to the flat index of its cell, so a prediction is one bisect per
+model input, a few integer vector adds (the single call adds joint tables of feature pairs), one
+gather and one sum, independent of tree depth. The result equals LightGBM's up to float summation
+order.
 
 Exactness rests on LightGBM's numerical decision ``x <= threshold`` -> left (thresholds are parsed
 from the model text at full precision). Categorical splits, linear trees and zero-as-missing are
@@ -114,6 +116,14 @@ class SafeThroughputPredictor:
         self._contrib = contrib
         self._table = np.concatenate(tables)
         self.n_trees = len(trees)
+        if n_feat != 6:
+            raise ValueError(f"the single-call path pairs 6 model inputs, the model has {n_feat}")
+        # The single call adds three (bins_a x bins_b, trees) tables of feature pairs instead of six:
+        # each numpy add costs about a microsecond at this size, the tables a few MB.
+        self._pairs = [
+            (contrib[a][:, None, :] + contrib[a + 1][None, :, :]).reshape(-1, len(trees)) for a in (0, 2, 4)
+        ]
+        self._pair_width = [len(contrib[a + 1]) for a in (0, 2, 4)]
 
     @property
     def table_entries(self) -> int:
@@ -158,14 +168,11 @@ class SafeThroughputPredictor:
             raise ValueError(f"node-state features must be numbers, got {x[:5]}") from exc
         if not finite:
             raise ValueError(f"node-state features must be finite, got {x[:5]}")
-        g, c = self._global, self._contrib
+        g, (p0, p1, p2), (w0, w1, w2) = self._global, self._pairs, self._pair_width
         idx = (
-            c[0][bisect_left(g[0], x[0])]
-            + c[1][bisect_left(g[1], x[1])]
-            + c[2][bisect_left(g[2], x[2])]
-            + c[3][bisect_left(g[3], x[3])]
-            + c[4][bisect_left(g[4], x[4])]
-            + c[5][bisect_left(g[5], x[5])]
+            p0[bisect_left(g[0], x[0]) * w0 + bisect_left(g[1], x[1])]
+            + p1[bisect_left(g[2], x[2]) * w1 + bisect_left(g[3], x[3])]
+            + p2[bisect_left(g[4], x[4]) * w2 + bisect_left(g[5], x[5])]
         )
         shift = self._shifts[bisect_right(self._shift_edges, x[0])]
         value = math.expm1(float(self._table[idx].sum()) - shift)
