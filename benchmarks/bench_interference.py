@@ -9,6 +9,12 @@ the datasheet estimate at equal unsafe share). With the defaults it refits exact
 artifact of the setup (same profiles, same seed).
 
     python benchmarks/bench_interference.py [--model GLM-5 --tp 8] [--json out.json]
+    python benchmarks/bench_interference.py --label-check   # checkpoint density vs every step
+
+``--label-check`` instead builds the label of noise-free states from checkpoints at every step up to
+the last default checkpoint (the exact roll) and from sparser sets, the shipped default included,
+and prints their MAPE / unsafe share against it: how much the checkpoint interpolation costs, and
+how far the frozen (instantaneous) label is from the lease's promise.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import time
 
 import numpy as np
 
-from envs.profiler import simulate_profiles
+from envs.profiler import DEFAULT_CHECKPOINT_STEPS, simulate_profiles
 from interference_model.artifact import DEFAULT_ITL_TARGET, library_versions
 from interference_model.evaluate import Targets, check_targets, decision_latency_us, evaluate
 from interference_model.fit import FitConfig, fit_interference_model
 from interference_model.labels import DEFAULT_HORIZON_S, LABEL, LeaseLabel, derive_labels
+from interference_model.metrics import accuracy_metrics
 from interference_model.predictor import SafeThroughputPredictor
 from interference_model.schema import FEATURES
 from train.interference_cli import eval_predictors, print_report
@@ -43,10 +50,13 @@ def main() -> int:
     ap.add_argument(
         "--global-shift", action="store_true", help="one conformal shift instead of per batch bin"
     )
+    ap.add_argument("--label-check", action="store_true", help="checkpoint density against every step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     label = LeaseLabel.parse(args.itl_target, horizon_s=args.horizon)
     setup = (args.gpu, args.model, args.tp)
+    if args.label_check:
+        return label_check(setup, label, args.test_seed, args.json)
     t0 = time.perf_counter()
     train_profiles = simulate_profiles(*setup, args.train_states, seed=0, repeats=args.repeats)
     train = derive_labels(train_profiles, label)
@@ -104,6 +114,33 @@ def main() -> int:
         f"limited_by: {test['limited_by'].value_counts().to_dict()}; median label / instant rate {ratio:.3f}"
     )
     write_json(args.json, report)
+    return 0
+
+
+def label_check(setup: tuple[str, str, int], label: LeaseLabel, seed: int, json_path: str | None) -> int:
+    """The label from sparse checkpoints against the exact roll (a checkpoint at every step)."""
+    n, last = 400, DEFAULT_CHECKPOINT_STEPS[-1]
+    exact_steps = tuple(range(last + 1))
+    exact = derive_labels(
+        simulate_profiles(*setup, n, seed=seed, noise=None, repeats=1, checkpoint_steps=exact_steps), label
+    )
+    sets = {
+        "frozen (step 0 only)": (0,),
+        "4 checkpoints": (0, 80, 160, last),
+        "7 checkpoints": (0, 40, 80, 120, 160, 240, last),
+        f"default ({len(DEFAULT_CHECKPOINT_STEPS)})": DEFAULT_CHECKPOINT_STEPS,
+    }
+    out = {}
+    print(f"{setup[0]}/{setup[1]}/tp{setup[2]}, {n} noise-free states (seed {seed}), label {label}")
+    print(f"{'checkpoints':<24}{'MAPE':>8}{'unsafe':>8}{'under':>8}  vs a checkpoint at every step 0..{last}")
+    for name, steps in sets.items():
+        got = derive_labels(
+            simulate_profiles(*setup, n, seed=seed, noise=None, repeats=1, checkpoint_steps=steps), label
+        )
+        m = accuracy_metrics(exact[LABEL].to_numpy(), got[LABEL].to_numpy())
+        out[name] = m
+        print(f"{name:<24}{m['mape']:>8.2%}{m['unsafe_share']:>8.1%}{m['under_share']:>8.1%}")
+    write_json(json_path, {"setup": list(setup), "label": str(label), "vs_every_step": out})
     return 0
 
 

@@ -90,3 +90,32 @@ def test_full_run_on_the_gpu_fits_five_minutes(tmp_path: Path) -> None:
     assert time.perf_counter() - start < 300
     meta = check_outputs(tmp_path, {"gpt-oss-120b", "GLM-5"})
     assert meta["cuda"] and meta["tiny"] is False
+
+
+@pytest.mark.parametrize(("model", "tp"), [("gpt-oss-120b", 1), ("GLM-5", 8)])
+def test_layer_stack_runs_at_the_real_per_gpu_shapes(model: str, tp: int) -> None:
+    # Real attention widths (MLA latent and rope splits included) and hidden size; fewer, narrower
+    # experts and a small vocabulary keep it to seconds and tens of MB on the CPU.
+    import dataclasses
+
+    import torch
+
+    from envs.hardware import get_model
+
+    script = load_script()
+    spec = dataclasses.replace(get_model(model), experts=16, expert_intermediate=256 * tp, vocab=1024)
+    stack = script.Stack(spec, tp, 2, 2048, torch.device("cpu"), torch.bfloat16)
+    layers, head = stack.run(37, 3, 500, torch.Generator().manual_seed(0))
+    out = layers()
+    assert tuple(out.shape) == (40, spec.hidden) and bool(torch.isfinite(out.float()).all())
+    assert tuple(head().shape) == (4, spec.vocab // tp)
+    experts = stack.layers[0].experts
+    h = torch.randn(29, spec.hidden, dtype=torch.bfloat16)
+    counts, rows = experts.route(29, torch.Generator().manual_seed(1))
+    outputs = []
+    for mode in ("direct", "padded", ""):  # grouped GEMM, padded grouped GEMM, loop
+        experts.grouped = mode
+        outputs.append(experts(h, counts, rows).float())
+    assert int(counts.sum()) == 29 * spec.active_experts
+    for other in outputs[1:]:
+        torch.testing.assert_close(other, outputs[0], rtol=2e-2, atol=2e-2)
