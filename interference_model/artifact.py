@@ -1,8 +1,13 @@
 """Versioned artifacts: a folder with ``model.txt`` (LightGBM text) and ``metadata.json``.
 
 The metadata records what a consumer must agree with before trusting a prediction: the feature
-names and order, the ITL target, hardware / model / TP, the conformal shift, the SHA-256 of the
-training profiles and of ``model.txt``, library versions, metrics, and the command that produced it.
+names and order, the label (ITL target, TPOT cap, horizon, KV room), hardware / model / TP and the
+node's KV capacity, the conformal shift, the SHA-256 of the training profiles and of ``model.txt``,
+library versions, metrics, and the command that produced it.
+
+Format history: 1 -- the instantaneous label (one iteration); 2 -- the lease label over a horizon
+(``interference_model.labels``), with ``label`` and ``kv_capacity_tokens``. Version 1 artifacts
+predict another quantity and are refused: refit them.
 :func:`load_predictor` checks all of that and fails with :class:`ArtifactError` naming the file.
 
 Writes are crash-safe per file (temp file + rename), and ``metadata.json`` is written last and
@@ -24,18 +29,18 @@ import lightgbm as lgb
 import numpy as np
 import pandas as pd
 
-from interference_model.fit import MODEL_FEATURES, ConformalShift, FitResult
-from interference_model.labels import ItlTarget
+from interference_model.fit import MODEL_FEATURES, ConformalShift, FitResult, LeaseCap
+from interference_model.labels import DEFAULT_HORIZON_S, ItlTarget, LeaseLabel
 from interference_model.predictor import SafeThroughputPredictor
 from interference_model.schema import FEATURES, PROFILE_SCHEMA_VERSION
 
-ARTIFACT_FORMAT_VERSION = 1
+ARTIFACT_FORMAT_VERSION = 2
 MODEL_FILE = "model.txt"
 METADATA_FILE = "metadata.json"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_ITL_TARGET = "1.5x|25ms"
 """ITL target of the shipped artifacts: a mixed step may take 1.5x the node's decode-only step, or
-25 ms (half of the default 50 ms ITL SLO) when that is looser."""
+25 ms (half of the default 50 ms TPOT SLO) when that is looser, and never more than the SLO."""
 
 
 class ArtifactError(ValueError):
@@ -72,7 +77,6 @@ def save_artifact(
     path: str | os.PathLike[str],
     fit: FitResult,
     *,
-    itl_target: ItlTarget,
     hardware: str,
     model: str,
     tp: int,
@@ -86,6 +90,7 @@ def save_artifact(
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    label = fit.cap.label
     model_text = fit.booster.model_to_string()
     meta: dict[str, Any] = {
         "format_version": ARTIFACT_FORMAT_VERSION,
@@ -93,12 +98,11 @@ def save_artifact(
         "features": list(FEATURES),
         "model_features": list(MODEL_FEATURES),
         "target_transform": "log1p",
-        "itl_target": {
-            "kind": itl_target.kind,
-            "value": itl_target.value,
-            "floor_ms": itl_target.floor_ms,
-            "spec": str(itl_target),
-        },
+        "label": label.to_dict(),
+        "itl_target": label.to_dict()["itl_target"],
+        "horizon_s": label.horizon_s,
+        "kv_capacity_tokens": fit.cap.kv_capacity_tokens,
+        "min_rate_tokens_per_s": fit.cap.min_rate_tokens_per_s,
         "hardware": hardware,
         "model": model,
         "tp": int(tp),
@@ -133,11 +137,20 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ArtifactError(f"{meta_path}: corrupt JSON ({exc})") from exc
     if not isinstance(meta, dict):
         raise ArtifactError(f"{meta_path}: expected a JSON object")
+    if meta.get("format_version") != ARTIFACT_FORMAT_VERSION:
+        raise ArtifactError(
+            f"{meta_path}: field 'format_version' is {meta.get('format_version')!r}; this code "
+            f"reads version {ARTIFACT_FORMAT_VERSION} (the lease label); refit with "
+            "`crossflow fit-interference`"
+        )
     required = (
         "format_version",
         "features",
         "model_features",
+        "label",
         "itl_target",
+        "horizon_s",
+        "kv_capacity_tokens",
         "hardware",
         "model",
         "tp",
@@ -148,12 +161,16 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [k for k in required if k not in meta]
     if missing:
         raise ArtifactError(f"{meta_path}: missing field(s) {missing}")
-    if meta["format_version"] != ARTIFACT_FORMAT_VERSION:
-        raise ArtifactError(
-            f"{meta_path}: field 'format_version' is {meta['format_version']!r}; this code "
-            f"reads version {ARTIFACT_FORMAT_VERSION}"
-        )
+    try:
+        LeaseLabel.from_dict(meta["label"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{meta_path}: field 'label' is malformed ({exc})") from exc
     return meta
+
+
+def artifact_label(meta: dict[str, Any]) -> LeaseLabel:
+    """The :class:`LeaseLabel` an artifact was fitted on (``meta`` from :func:`read_metadata`)."""
+    return LeaseLabel.from_dict(meta["label"])
 
 
 def _check(meta_path: Path, field: str, have: Any, want: Any) -> None:
@@ -168,12 +185,14 @@ def load_predictor(
     model: str | None = None,
     tp: int | None = None,
     itl_target: ItlTarget | str | None = None,
+    horizon_s: float | None = None,
 ) -> SafeThroughputPredictor:
     """Load an artifact folder as a :class:`SafeThroughputPredictor`.
 
     Every expectation given (``gpu``, ``model``, ``tp``, ``itl_target`` as an :class:`ItlTarget` or a
-    spec like ``"1.5x"``) must match the metadata (names case-insensitively); the feature list must
-    equal this code's ``FEATURES`` and the model file its recorded SHA-256. Raises :class:`ArtifactError`.
+    spec like ``"1.5x"``, ``horizon_s``: the lease TTL the caller multiplies the rate by) must match
+    the metadata (names case-insensitively); the feature list must equal this code's ``FEATURES`` and
+    the model file its recorded SHA-256. Raises :class:`ArtifactError`.
     """
     folder = Path(path)
     meta = read_metadata(folder)
@@ -192,6 +211,8 @@ def load_predictor(
             (have.get("kind"), float(have.get("value", "nan")), float(have.get("floor_ms", 0.0))),
             (want.kind, want.value, want.floor_ms),
         )
+    if horizon_s is not None:
+        _check(meta_path, "horizon_s", float(meta["horizon_s"]), float(horizon_s))
     model_path = folder / MODEL_FILE
     if not model_path.is_file():
         raise ArtifactError(f"{model_path}: missing")
@@ -207,7 +228,10 @@ def load_predictor(
         shift = ConformalShift(
             tuple(float(e) for e in meta["shift_batch_edges"]), tuple(float(v) for v in meta["log_shifts"])
         )
-        return SafeThroughputPredictor(booster.dump_model(), shift, meta)
+        cap = LeaseCap(
+            artifact_label(meta), float(meta["kv_capacity_tokens"]), float(meta["min_rate_tokens_per_s"])
+        )
+        return SafeThroughputPredictor(booster.dump_model(), shift, cap, meta)
     except (lgb.basic.LightGBMError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{model_path}: cannot be compiled into a predictor ({exc})") from exc
 
@@ -218,7 +242,8 @@ def load_booster(path: str | os.PathLike[str]) -> lgb.Booster:
 
 
 def default_predictor(gpu: str = "H200", model: str = "gpt-oss-120b", tp: int = 1) -> SafeThroughputPredictor:
-    """The shipped artifact for ``gpu`` x ``model`` x ``tp`` (``interference_model/data/``)."""
+    """The shipped artifact for ``gpu`` x ``model`` x ``tp`` (``interference_model/data/``): the lease
+    label over ``DEFAULT_HORIZON_S`` seconds."""
     folder = DATA_DIR / artifact_slug(gpu, model, tp)
     if not folder.is_dir():
         have = sorted(p.name for p in DATA_DIR.iterdir() if p.is_dir()) if DATA_DIR.is_dir() else []
@@ -226,7 +251,7 @@ def default_predictor(gpu: str = "H200", model: str = "gpt-oss-120b", tp: int = 
             f"no shipped interference model for {gpu}/{model}/tp{tp} (have {have}); "
             "fit one with `crossflow fit-interference`"
         )
-    return load_predictor(folder, gpu=gpu, model=model, tp=tp)
+    return load_predictor(folder, gpu=gpu, model=model, tp=tp, horizon_s=DEFAULT_HORIZON_S)
 
 
 def log_artifact_to_wandb(

@@ -1,13 +1,20 @@
 """Evaluation report: the model and its baselines on held-out labelled states, with plots.
 
-:func:`evaluate` returns a JSON-ready dict (per predictor: MAPE, unsafe share, ...; MAPE and unsafe
-share by region of batch size x mean context; feature importance) and, given ``plot_dir``, writes
-``calibration.png`` (predicted vs true) and ``error_by_region.png`` (MAPE heat map per predictor).
+:func:`evaluate` returns a JSON-ready dict (per predictor: MAPE, unsafe share, ...; the same at the
+reference model's unsafe share, so every predictor is compared at equal safety; MAPE and unsafe
+share by region of batch size x mean context) and, given ``plot_dir``, writes ``calibration.png``
+(predicted vs true) and ``error_by_region.png`` (MAPE heat map per predictor).
+:func:`decision_latency_us` times one hot-path decision; :func:`check_targets` compares a report
+with :class:`Targets`.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -15,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from interference_model.labels import LABEL
-from interference_model.metrics import accuracy_metrics
+from interference_model.metrics import accuracy_metrics, metrics_at_unsafe_share
 from interference_model.schema import FEATURES
 
 BATCH_EDGES: tuple[float, ...] = (0, 4, 16, 64, 256, np.inf)
@@ -47,6 +54,21 @@ def region_metrics(
     return out
 
 
+def _block(
+    y: np.ndarray, preds: dict[str, np.ndarray], matched_to: str | None, margin: float
+) -> dict[str, Any]:
+    metrics = {name: accuracy_metrics(y, p, margin) for name, p in preds.items()}
+    out: dict[str, Any] = {"metrics": metrics}
+    if matched_to in preds:
+        share = metrics[matched_to]["unsafe_share"]
+        out["at_equal_unsafe"] = {
+            name: metrics_at_unsafe_share(y, p, share, margin)
+            for name, p in preds.items()
+            if name != matched_to
+        }
+    return out
+
+
 def evaluate(
     labels: pd.DataFrame,
     predictors: dict[str, Predicts],
@@ -54,25 +76,31 @@ def evaluate(
     unsafe_margin: float = 0.05,
     plot_dir: str | os.PathLike[str] | None = None,
     reference: np.ndarray | None = None,
+    matched_to: str | None = "lightgbm",
 ) -> dict[str, Any]:
     """Evaluate every predictor on ``labels`` (one row per held-out state, from ``derive_labels``).
 
-    ``reference``, if given, is a second truth (e.g. the noise-free labels of the same simulated
-    states); metrics against it are reported under ``"vs_reference"``.
+    ``metrics``: per predictor against the labels. ``at_equal_unsafe``: every other predictor divided
+    by the one constant that brings its unsafe share down (or up) to ``matched_to``'s on these very
+    states (chosen on the evaluation set itself, which favours the baselines). ``reference``, if
+    given, is a second truth (e.g. the noise-free labels of the same simulated states); the same two
+    blocks against it are under ``vs_reference`` and ``vs_reference_at_equal_unsafe``.
     """
     X = labels[list(FEATURES)].to_numpy(dtype=float)
     y = labels[LABEL].to_numpy(dtype=float)
     preds = {name: np.asarray(p.predict(X), dtype=float) for name, p in predictors.items()}
+    block = _block(y, preds, matched_to, unsafe_margin)
     report: dict[str, Any] = {
         "n_states": len(y),
         "unsafe_margin": unsafe_margin,
-        "metrics": {name: accuracy_metrics(y, p, unsafe_margin) for name, p in preds.items()},
+        "metrics": block["metrics"],
+        "at_equal_unsafe": block.get("at_equal_unsafe", {}),
         "by_region": {name: region_metrics(labels, p, unsafe_margin) for name, p in preds.items()},
     }
     if reference is not None:
-        report["vs_reference"] = {
-            name: accuracy_metrics(reference, p, unsafe_margin) for name, p in preds.items()
-        }
+        ref = _block(np.asarray(reference, dtype=float), preds, matched_to, unsafe_margin)
+        report["vs_reference"] = ref["metrics"]
+        report["vs_reference_at_equal_unsafe"] = ref.get("at_equal_unsafe", {})
     if plot_dir is not None:
         report["plots"] = write_plots(Path(plot_dir), labels, preds)
     return report
@@ -123,3 +151,89 @@ def write_plots(plot_dir: Path, labels: pd.DataFrame, preds: dict[str, np.ndarra
     fig.savefig(error_by_region, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [str(calibration), str(error_by_region)]
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """What the interference model must reach on held-out profiles (drawn with another seed)."""
+
+    mape: float = 0.05
+    unsafe_share: float = 0.02
+    """Share of states predicted more than the unsafe margin (5%) above the truth."""
+    single_decision_us: float = 10.0
+    """One ``safe_prefill_tokens_per_s`` call of the fast predictor."""
+    datasheet_mape_ratio: float = 3.0
+    """The datasheet roofline's MAPE at the model's unsafe share over the model's MAPE."""
+
+
+def _per_call_us(fn: Any, args: list[Any], calls: int, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(args[i % len(args)])
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def decision_latency_us(
+    predictor: Any, X: np.ndarray, booster: Any = None, *, calls: int = 2000, rounds: int = 7
+) -> dict[str, float]:
+    """Median over ``rounds`` of the mean time of one ``safe_prefill_tokens_per_s`` call, cycling
+    through the rows of ``X``; with ``booster`` also LightGBM's own ``predict`` of one row on one
+    thread (``num_threads=1``: its default spin-waits a thread pool), over a tenth of the calls."""
+    from interference_model.fit import model_inputs
+
+    rows = [tuple(float(v) for v in r) for r in np.asarray(X, dtype=float)[:256]]
+    out = {
+        "fast_predictor_us": _per_call_us(
+            lambda r: predictor.safe_prefill_tokens_per_s(*r), rows, calls, rounds
+        )
+    }
+    if booster is not None:
+        inputs = [model_inputs(np.asarray([r])) for r in rows]
+        out["lightgbm_one_thread_us"] = _per_call_us(
+            lambda z: booster.predict(z, num_threads=1), inputs, max(calls // 10, 50), rounds
+        )
+    return out
+
+
+def check_targets(
+    report: dict[str, Any],
+    latency_us: dict[str, float] | None,
+    targets: Targets = Targets(),
+    model: str = "lightgbm",
+    datasheet: str = "datasheet_roofline",
+) -> list[dict[str, Any]]:
+    """One row per target: ``target``, ``value``, ``limit``, ``met`` (``None`` when not measured)."""
+    m = report["metrics"].get(model, {})
+    rows = [
+        {"target": "MAPE", "value": m.get("mape"), "limit": targets.mape, "kind": "<="},
+        {
+            "target": "unsafe share",
+            "value": m.get("unsafe_share"),
+            "limit": targets.unsafe_share,
+            "kind": "<=",
+        },
+        {
+            "target": "single decision (us)",
+            "value": (latency_us or {}).get("fast_predictor_us"),
+            "limit": targets.single_decision_us,
+            "kind": "<=",
+        },
+    ]
+    sheet = report.get("at_equal_unsafe", {}).get(datasheet, {}).get("mape")
+    ratio = sheet / m["mape"] if sheet is not None and m.get("mape") and m["mape"] > 0 else None
+    rows.append(
+        {
+            "target": f"{datasheet} MAPE / {model} MAPE at equal unsafe share",
+            "value": ratio,
+            "limit": targets.datasheet_mape_ratio,
+            "kind": ">=",
+        }
+    )
+    for row in rows:
+        v = row["value"]
+        ok = v is not None and math.isfinite(v)
+        row["met"] = (v <= row["limit"] if row["kind"] == "<=" else v >= row["limit"]) if ok else None
+    return rows

@@ -1,12 +1,16 @@
 """Fit the conservative LightGBM model of safe prefill throughput from labelled node states.
 
-The model regresses ``log1p(safe_prefill_tokens_per_s)`` (so errors are relative, which is what MAPE
-and the "unsafe" criterion measure) with LightGBM, conservative twice over:
+The lease label is ``min(ITL part, KV room / horizon)`` (``interference_model.labels``); the KV room
+is a closed-form function of the state, so only the ITL part is learned and the cap is applied
+exactly on top (:class:`LeaseCap`). The model regresses ``log1p(ITL part)`` (so errors are
+relative, which is what MAPE and the "unsafe" criterion measure) with LightGBM, conservative twice
+over:
 
 1. monotone constraints where the physics is monotone (below), which keep noise from carving
    physically impossible bumps that would over-promise in some region;
 2. a split-conformal shift: from out-of-fold (grouped K-fold) predictions, the smallest log-shift
-   ``s`` such that at most ``unsafe_target`` of states get ``prediction > (1 + unsafe_margin) * true``.
+   ``s`` such that at most ``unsafe_target`` of states get ``prediction > (1 + unsafe_margin) * true``
+   (the full prediction, KV cap and floor included, against the full label).
    The shift is applied as ``expm1(raw - s)``; it may be negative when the model alone is more
    conservative than needed, which buys accuracy back at the same safety. It is *Mondrian*: one
    shift per decode-batch-size bin (``shift_batch_edges``), because label noise and model error
@@ -14,13 +18,19 @@ and the "unsafe" criterion measure) with LightGBM, conservative twice over:
    shift would make every region pay for the worst one. A bin with fewer than
    ``min_states_per_shift_bin`` states uses the global shift.
 
+Predictions below ``min_lease_tokens`` over the horizon are reported as 0: a lease for fewer prefill
+tokens than that is no lease, and where nothing fits the step budget the label is exactly 0, which
+a model in log space can only come close to. The conformal shift is chosen for the floored
+prediction, so those states do not inflate it.
+
 A quantile objective (``quantile_alpha``) is available instead of L2, but LightGBM refuses monotone
 constraints with it (it re-fits leaf values after the split search), so it needs ``monotone=False``.
 
-Monotone constraints encode physics that holds for the label: with the KV-headroom cap, safe
-throughput never rises with KV occupancy or remaining output; with an *absolute* ITL target it never
-rises with batch size or mean context either (more decode work leaves less time). With a *ratio*
-target the budget grows with the decode step itself, so batch and context are left free.
+Monotone constraints encode physics that holds for the ITL part: it never rises with remaining
+output (the batch stays longer) or KV occupancy (a fuller cache never speeds a step up); with an
+*absolute* ITL target it never rises with batch size or mean context either (more decode work
+leaves less time). With a *ratio* target the budget grows with the decode step itself, so batch and
+context are left free.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import lightgbm as lgb
 import numpy as np
 import pandas as pd
 
-from interference_model.labels import LABEL, ItlTarget
+from interference_model.labels import ITL_LABEL, LABEL, LeaseLabel, kv_room_tokens
 from interference_model.metrics import accuracy_metrics
 from interference_model.schema import FEATURES
 
@@ -49,6 +59,8 @@ class FitConfig:
     shift_batch_edges: tuple[float, ...] = (4, 8, 16, 24, 32, 48, 64, 128)
     """Decode-batch-size bin edges of the Mondrian conformal shift; ``()`` for one global shift."""
     min_states_per_shift_bin: int = 200
+    min_lease_tokens: float = 64.0
+    """Predictions below this many tokens over the label's horizon are 0 (module docstring)."""
     num_boost_round: int = 100
     """Few, larger trees: the fast predictor's batch cost grows with the tree count."""
     learning_rate: float = 0.15
@@ -68,6 +80,8 @@ class FitConfig:
             raise ValueError(f"FitConfig.quantile_alpha must lie in (0, 1), got {self.quantile_alpha}")
         if self.unsafe_target is not None and not 0 < self.unsafe_target < 1:
             raise ValueError(f"FitConfig.unsafe_target must lie in (0, 1), got {self.unsafe_target}")
+        if not self.min_lease_tokens >= 0:
+            raise ValueError(f"FitConfig.min_lease_tokens must be >= 0, got {self.min_lease_tokens}")
 
     def lgb_params(self, monotone_constraints: tuple[int, ...]) -> dict[str, object]:
         params: dict[str, object] = {
@@ -104,9 +118,58 @@ def model_inputs(X: np.ndarray) -> np.ndarray:
     return np.column_stack([X, X[:, 0] * X[:, 1]])
 
 
-def physical_monotone_constraints(itl_target: ItlTarget) -> tuple[int, ...]:
+def kv_capacity_of(labels: pd.DataFrame) -> float:
+    """The one ``kv_capacity_tokens`` of a label table (an error if its states disagree)."""
+    capacity = labels["kv_capacity_tokens"].unique()
+    if len(capacity) != 1:
+        raise ValueError(f"labels: one kv_capacity_tokens per fit, found {sorted(capacity.tolist())}")
+    return float(capacity[0])
+
+
+def floored(prediction: np.ndarray, floor_tokens_per_s: float) -> np.ndarray:
+    """``prediction`` with values below ``floor_tokens_per_s`` (and negatives) set to 0."""
+    prediction = np.asarray(prediction, dtype=float)
+    return np.where(prediction >= floor_tokens_per_s, np.maximum(prediction, 0.0), 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseCap:
+    """What turns a learned ITL-part rate into the label's prediction: the lease floor, then the KV
+    room spread over the horizon (exact, from the state: ``labels.kv_room_tokens``)."""
+
+    label: LeaseLabel
+    kv_capacity_tokens: float
+    min_rate_tokens_per_s: float
+
+    @classmethod
+    def for_labels(cls, labels: pd.DataFrame, label: LeaseLabel, min_lease_tokens: float) -> LeaseCap:
+        return cls(label, kv_capacity_of(labels), min_lease_tokens / label.horizon_s)
+
+    def rate(self, X: np.ndarray) -> np.ndarray:
+        """The KV cap in tokens/s per row of ``X`` (``FEATURES`` order); +inf without the cap."""
+        X = np.asarray(X, dtype=float)
+        return self.label.kv_cap_tokens_per_s(
+            kv_room_tokens(X[:, 0], X[:, 3], X[:, 4], self.kv_capacity_tokens)
+        )
+
+    def apply(self, itl_rate: np.ndarray, X: np.ndarray) -> np.ndarray:
+        return np.minimum(floored(itl_rate, self.min_rate_tokens_per_s), self.rate(X))
+
+    def log_excess(
+        self, raw_log: np.ndarray, X: np.ndarray, labels: pd.DataFrame, margin: float
+    ) -> np.ndarray:
+        """Per state, how far ``raw_log`` (log1p of the ITL-part rate) is above the unsafe line of the
+        full prediction: unsafe iff ``excess > shift``; ``-inf`` where the KV cap alone keeps the
+        prediction within ``(1 + margin)`` of the label."""
+        y_itl = labels[ITL_LABEL].to_numpy(dtype=float)
+        y = labels[LABEL].to_numpy(dtype=float)
+        bound = np.log1p(np.maximum((1.0 + margin) * y_itl, self.min_rate_tokens_per_s))
+        return np.where(self.rate(X) > (1.0 + margin) * y, raw_log - bound, -np.inf)
+
+
+def physical_monotone_constraints(label: LeaseLabel) -> tuple[int, ...]:
     """-1 (non-increasing) / 0 (free) per column of ``MODEL_FEATURES``; see the module docstring."""
-    absolute = itl_target.kind == "absolute_ms"
+    absolute = label.itl_target.kind == "absolute_ms"
     by_name = {
         "decode_batch_size": -1 if absolute else 0,
         "context_tokens_mean": -1 if absolute else 0,
@@ -128,17 +191,24 @@ def group_kfold(groups: np.ndarray, n_folds: int, seed: int) -> list[tuple[np.nd
     return [(np.flatnonzero(fold != k), np.flatnonzero(fold == k)) for k in range(n_folds)]
 
 
-def conformal_log_shift(
-    raw_log_pred: np.ndarray, y_true: np.ndarray, unsafe_target: float, unsafe_margin: float
-) -> float:
-    """Smallest ``s`` with share(expm1(raw - s) > (1 + margin) * y) <= unsafe_target (finite-sample
-    corrected quantile of the per-state excess ``raw - log1p((1 + margin) * y)``)."""
-    excess = np.sort(raw_log_pred - np.log1p((1.0 + unsafe_margin) * y_true))
-    n = len(excess)
+def conformal_shift(excess: np.ndarray, unsafe_target: float) -> float:
+    """Smallest ``s`` with share(excess > s) <= unsafe_target: the finite-sample corrected quantile of
+    the per-state excess (see :meth:`LeaseCap.log_excess`; ``-inf`` entries are never unsafe)."""
+    ordered = np.sort(np.asarray(excess, dtype=float))
+    n = len(ordered)
     # Allowed unsafe count k: the shift must clear all but the k largest excesses.
     k = int(np.floor(unsafe_target * (n + 1))) - 1
     k = min(max(k, 0), n - 1)
-    return float(excess[n - 1 - k])
+    shift = float(ordered[n - 1 - k])
+    return shift if np.isfinite(shift) else 0.0  # the cap alone keeps enough states safe: no shift
+
+
+def conformal_log_shift(
+    raw_log_pred: np.ndarray, y_true: np.ndarray, unsafe_target: float, unsafe_margin: float
+) -> float:
+    """Smallest ``s`` with share(expm1(raw - s) > (1 + margin) * y) <= unsafe_target, for an uncapped
+    prediction in log1p space."""
+    return conformal_shift(raw_log_pred - np.log1p((1.0 + unsafe_margin) * y_true), unsafe_target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,22 +228,20 @@ class ConformalShift:
 
 
 def mondrian_shift(
-    raw_log_pred: np.ndarray, y_true: np.ndarray, batch: np.ndarray, config: FitConfig, mono_batch: int
+    excess: np.ndarray, batch: np.ndarray, config: FitConfig, mono_batch: int
 ) -> ConformalShift:
-    """Conformal shift per batch bin (see the module docstring). When safe throughput is constrained
-    non-increasing in batch size, the shifts are made non-decreasing in batch so the shifted model
-    keeps that property."""
+    """Conformal shift per batch bin from per-state excesses (see the module docstring). When safe
+    throughput is constrained non-increasing in batch size, the shifts are made non-decreasing in
+    batch so the shifted model keeps that property."""
     assert config.unsafe_target is not None
-    glob = conformal_log_shift(raw_log_pred, y_true, config.unsafe_target, config.unsafe_margin)
+    glob = conformal_shift(excess, config.unsafe_target)
     edges = tuple(float(e) for e in config.shift_batch_edges)
     bins = np.searchsorted(np.asarray(edges), batch, side="right")
     shifts = np.full(len(edges) + 1, glob)
     for k in range(len(edges) + 1):
         m = bins == k
         if m.sum() >= config.min_states_per_shift_bin:
-            shifts[k] = conformal_log_shift(
-                raw_log_pred[m], y_true[m], config.unsafe_target, config.unsafe_margin
-            )
+            shifts[k] = conformal_shift(excess[m], config.unsafe_target)
     if mono_batch == -1:
         shifts = np.maximum.accumulate(shifts)
     return ConformalShift(edges, tuple(float(v) for v in shifts))
@@ -185,6 +253,7 @@ class FitResult:
 
     booster: lgb.Booster
     shift: ConformalShift
+    cap: LeaseCap
     monotone_constraints: tuple[int, ...]
     config: FitConfig
     oof_prediction: np.ndarray
@@ -194,8 +263,8 @@ class FitResult:
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Safe prefill tokens/s for rows of ``X`` (columns in ``FEATURES`` order), via LightGBM."""
         Z = model_inputs(X)
-        raw = np.asarray(self.booster.predict(Z), dtype=float)
-        return np.maximum(np.expm1(raw - self.shift.for_batch(Z[:, 0])), 0.0)
+        raw = np.asarray(self.booster.predict(Z, num_threads=1), dtype=float)
+        return self.cap.apply(np.expm1(raw - self.shift.for_batch(Z[:, 0])), X)
 
     def feature_importance(self) -> dict[str, float]:
         """Total split gain per feature, normalised to sum to 1."""
@@ -210,30 +279,35 @@ def _train(X: np.ndarray, z: np.ndarray, config: FitConfig, mono: tuple[int, ...
 
 
 def fit_interference_model(
-    labels: pd.DataFrame, itl_target: ItlTarget, config: FitConfig = FitConfig()
+    labels: pd.DataFrame, label: LeaseLabel, config: FitConfig = FitConfig()
 ) -> FitResult:
-    """Fit on ``labels`` (from :func:`interference_model.labels.derive_labels`), one row per state.
+    """Fit on ``labels`` (from :func:`interference_model.labels.derive_labels` with ``label``), one
+    row per state.
 
     Grouped K-fold CV by ``state_group`` gives out-of-fold predictions, which set the conformal shift
     and the reported CV metrics (MAPE, unsafe share); the returned booster is then refit on all rows.
     """
-    for col in (*FEATURES, LABEL, "state_group"):
+    for col in (*FEATURES, LABEL, ITL_LABEL, "state_group", "kv_capacity_tokens"):
         if col not in labels.columns:
             raise ValueError(f"labels: missing column {col!r}")
-    X = model_inputs(labels[list(FEATURES)].to_numpy(dtype=float))
+    cap = LeaseCap.for_labels(labels, label, config.min_lease_tokens)
+    states = labels[list(FEATURES)].to_numpy(dtype=float)
+    X = model_inputs(states)
     y = labels[LABEL].to_numpy(dtype=float)
-    z = np.log1p(y)
-    mono = physical_monotone_constraints(itl_target) if config.monotone else (0,) * len(MODEL_FEATURES)
+    z = np.log1p(labels[ITL_LABEL].to_numpy(dtype=float))
+    mono = physical_monotone_constraints(label) if config.monotone else (0,) * len(MODEL_FEATURES)
     oof_raw = np.empty(len(y))
     for train_idx, test_idx in group_kfold(labels["state_group"].to_numpy(), config.n_folds, config.seed):
         oof_raw[test_idx] = _train(X[train_idx], z[train_idx], config, mono).predict(X[test_idx])
     shift = ConformalShift((), (0.0,))
     if config.unsafe_target is not None:
-        shift = mondrian_shift(oof_raw, y, X[:, 0], config, mono[0])
-    oof = np.maximum(np.expm1(oof_raw - shift.for_batch(X[:, 0])), 0.0)
+        excess = cap.log_excess(oof_raw, states, labels, config.unsafe_margin)
+        shift = mondrian_shift(excess, X[:, 0], config, mono[0])
+    oof = cap.apply(np.expm1(oof_raw - shift.for_batch(X[:, 0])), states)
     result = FitResult(
         booster=_train(X, z, config, mono),
         shift=shift,
+        cap=cap,
         monotone_constraints=mono,
         config=config,
         oof_prediction=oof,

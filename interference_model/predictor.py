@@ -1,11 +1,13 @@
 """A fast, dependency-light evaluator of the fitted trees for the scheduler's hot path.
 
-LightGBM's own ``predict`` costs hundreds of microseconds per call (Python -> C -> thread pool). Here
-every tree is compiled into a lookup table over the grid its own split thresholds cut the input space
-into. One global sorted threshold list per feature maps an input to a global bin (``bisect``); per
-feature a precomputed ``(bins, trees)`` table turns that bin into each tree's contribution to the flat
-index of its cell, so a prediction is 6 bisects, 6 integer vector adds, one gather and one sum,
-independent of tree depth. The result equals LightGBM's up to float summation order.
+LightGBM's own ``predict`` costs tens of microseconds per call on one thread (Python -> C), more
+with its default thread pool. Here every tree is compiled into a lookup table over the grid its own
+split thresholds cut the input space into. One global sorted threshold list per feature maps an
+input to a global bin (``bisect``); per feature a precomputed ``(bins, trees)`` table turns that bin
+into each tree's contribution to the flat index of its cell, so a prediction is one bisect per
+model input, a few integer vector adds (the single call adds joint tables of feature pairs), one
+gather and one sum, independent of tree depth. The result equals LightGBM's up to float summation
+order.
 
 Exactness rests on LightGBM's numerical decision ``x <= threshold`` -> left (thresholds are parsed
 from the model text at full precision). Categorical splits, linear trees and zero-as-missing are
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from interference_model.fit import MODEL_FEATURES, ConformalShift, model_inputs
+from interference_model.fit import MODEL_FEATURES, ConformalShift, LeaseCap, model_inputs
 from interference_model.schema import FEATURES
 
 
@@ -56,12 +58,18 @@ def _collect_splits(node: dict[str, Any], thresholds: list[set[float]]) -> None:
 class SafeThroughputPredictor:
     """Predicts safe prefill tokens/s of a decode node from its state (see ``FEATURES``).
 
-    Built from a LightGBM model dump and the conformal shift: the prediction is
-    ``max(expm1(sum_of_trees - shift(batch)), 0)``. ``metadata`` is the artifact's metadata (may be empty).
+    Built from a LightGBM model dump of the ITL part, its conformal shift and the :class:`LeaseCap`:
+    the prediction is ``min(expm1(sum_of_trees - shift(batch)), KV room / horizon)`` tokens/s, the
+    average over the label's horizon, with the learned part read as 0 below the cap's floor.
+    ``metadata`` is the artifact's metadata (may be empty).
     """
 
     def __init__(
-        self, model_dump: dict[str, Any], shift: ConformalShift, metadata: dict[str, Any] | None = None
+        self,
+        model_dump: dict[str, Any],
+        shift: ConformalShift,
+        cap: LeaseCap,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         names = list(model_dump.get("feature_names", []))
         if names != list(MODEL_FEATURES):
@@ -69,7 +77,12 @@ class SafeThroughputPredictor:
         trees = [t["tree_structure"] for t in model_dump["tree_info"]]
         if not trees:
             raise ValueError("model has no trees")
-        self.shift = shift
+        capacity = cap.kv_capacity_tokens
+        if not (math.isfinite(capacity) and capacity > 0):
+            raise ValueError(f"kv_capacity_tokens must be > 0, got {capacity!r}")
+        self.shift, self.cap = shift, cap
+        self._capacity, self._floor = float(capacity), float(cap.min_rate_tokens_per_s)
+        self._horizon_s = cap.label.horizon_s if cap.label.kv_room else math.inf
         self._shift_edges = [float(e) for e in shift.batch_edges]
         self._shifts = [float(v) for v in shift.log_shifts]
         self.metadata: dict[str, Any] = dict(metadata or {})
@@ -103,6 +116,14 @@ class SafeThroughputPredictor:
         self._contrib = contrib
         self._table = np.concatenate(tables)
         self.n_trees = len(trees)
+        if n_feat != 6:
+            raise ValueError(f"the single-call path pairs 6 model inputs, the model has {n_feat}")
+        # The single call adds three (bins_a x bins_b, trees) tables of feature pairs instead of six:
+        # each numpy add costs about a microsecond at this size, the tables a few MB.
+        self._pairs = [
+            (contrib[a][:, None, :] + contrib[a + 1][None, :, :]).reshape(-1, len(trees)) for a in (0, 2, 4)
+        ]
+        self._pair_width = [len(contrib[a + 1]) for a in (0, 2, 4)]
 
     @property
     def table_entries(self) -> int:
@@ -122,7 +143,7 @@ class SafeThroughputPredictor:
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Safe prefill tokens/s per row of ``X`` (columns in ``FEATURES`` order); vectorised."""
         shift = self.shift.for_batch(np.asarray(X, dtype=float)[:, 0])
-        return np.maximum(np.expm1(self.raw_predict(X) - shift), 0.0)
+        return self.cap.apply(np.expm1(self.raw_predict(X) - shift), np.asarray(X, dtype=float))
 
     def safe_prefill_tokens_per_s(
         self,
@@ -132,7 +153,7 @@ class SafeThroughputPredictor:
         remaining_output_tokens_mean: float,
         kv_occupancy: float,
     ) -> float:
-        """One node's safe prefill throughput; the hot-path call (a few microseconds)."""
+        """One node's safe prefill tokens/s over the label's horizon; the hot-path call (a few us)."""
         x = (
             decode_batch_size,
             context_tokens_mean,
@@ -147,17 +168,19 @@ class SafeThroughputPredictor:
             raise ValueError(f"node-state features must be numbers, got {x[:5]}") from exc
         if not finite:
             raise ValueError(f"node-state features must be finite, got {x[:5]}")
-        g, c = self._global, self._contrib
+        g, (p0, p1, p2), (w0, w1, w2) = self._global, self._pairs, self._pair_width
         idx = (
-            c[0][bisect_left(g[0], x[0])]
-            + c[1][bisect_left(g[1], x[1])]
-            + c[2][bisect_left(g[2], x[2])]
-            + c[3][bisect_left(g[3], x[3])]
-            + c[4][bisect_left(g[4], x[4])]
-            + c[5][bisect_left(g[5], x[5])]
+            p0[bisect_left(g[0], x[0]) * w0 + bisect_left(g[1], x[1])]
+            + p1[bisect_left(g[2], x[2]) * w1 + bisect_left(g[3], x[3])]
+            + p2[bisect_left(g[4], x[4]) * w2 + bisect_left(g[5], x[5])]
         )
         shift = self._shifts[bisect_right(self._shift_edges, x[0])]
-        return max(math.expm1(float(self._table[idx].sum()) - shift), 0.0)
+        value = math.expm1(float(self._table[idx].sum()) - shift)
+        if value < self._floor or value <= 0.0:
+            return 0.0
+        # The KV cap, as labels.kv_room_tokens and LeaseLabel.kv_cap_tokens_per_s compute it.
+        room = self._capacity * (1.0 - kv_occupancy) - decode_batch_size * remaining_output_tokens_mean
+        return min(value, (room if room >= 1.0 else 0.0) / self._horizon_s)
 
     def __repr__(self) -> str:
         meta = self.metadata

@@ -7,12 +7,22 @@ new prefill tokens (on top of ``cached_prefix_tokens`` already-cached prefix) an
 same repeat). Rows of one state share ``state_id``; near-duplicate states (drawn from one scenario)
 share ``state_group`` so cross-validation can keep them in one fold.
 
-Both the simulated profiler (``envs.profiler``) and the real profiler (``serving``) write this
-schema; :func:`validate_profiles` is the one gate every reader goes through.
+A state is measured at one or more *checkpoints* of its own evolution (``decode_step``: decode
+iterations after the state was taken; 0 is the state itself). After ``k`` iterations every running
+request has produced ``k`` more tokens, the ones whose remaining output ran out have left, and the
+row records what is left: ``step_batch_size`` requests whose KV contexts sum to
+``step_context_tokens``. The node-state features always describe step 0. The lease label
+(``interference_model.labels``) rolls the state forward through these checkpoints.
+
+Both the simulated profiler (``envs.profiler``), the torch profiler (``benchmarks/gpu``) and the live
+profiler (``serving``) write this schema; :func:`validate_profiles` is the one gate every reader goes
+through.
 
 Version history:
 
-* 1 -- first version.
+* 1 -- first version: one measurement point per state.
+* 2 -- checkpoint columns (``STEP_COLUMNS``). They are optional on read: a table without them (any
+  version) is read as measured at step 0 only, with the step columns derived from the state.
 """
 
 from __future__ import annotations
@@ -25,29 +35,36 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-PROFILE_SCHEMA_VERSION = 1
+from interference_model.columns import FEATURES, PROFILE_COLUMNS, PROFILE_SCHEMA_VERSION, STEP_COLUMNS
 
-FEATURES: tuple[str, ...] = (
-    "decode_batch_size",
-    "context_tokens_mean",
-    "context_tokens_std",
-    "remaining_output_tokens_mean",
-    "kv_occupancy",
-)
-"""Node-state features of the interference model, in this order (shared with ``policies``)."""
+__all__ = [
+    "FEATURES",
+    "PROFILE_COLUMNS",
+    "PROFILE_SCHEMA_VERSION",
+    "STEP_COLUMNS",
+    "ProfileSchemaError",
+    "profiles_sha256",
+    "read_profiles",
+    "validate_profiles",
+    "write_profiles",
+]
+
+READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 
 STRING_COLUMNS: tuple[str, ...] = ("source", "hardware", "model")
-"""``source`` is ``"sim"`` for the simulated profiler, ``"sglang"`` for a live worker."""
+"""``source``: ``"sim"`` (simulated profiler), ``"torch"`` (torch layer stack), ``"sglang"`` (live worker)."""
 
 INT_COLUMNS: dict[str, float] = {
     # column -> smallest allowed value
-    "schema_version": PROFILE_SCHEMA_VERSION,
+    "schema_version": 1,
     "tp": 1,
     "state_id": 0,
     "state_group": 0,
     "repeat": 0,
     "decode_batch_size": 0,
     "kv_capacity_tokens": 1,
+    "decode_step": 0,
+    "step_batch_size": 0,
     "chunk_tokens": 1,
     "cached_prefix_tokens": 0,
 }
@@ -58,27 +75,12 @@ FLOAT_COLUMNS: dict[str, tuple[float, float]] = {
     "context_tokens_std": (0.0, np.inf),
     "remaining_output_tokens_mean": (0.0, np.inf),
     "kv_occupancy": (0.0, 1.0),
+    "step_context_tokens": (0.0, np.inf),
     "iteration_time_s": (0.0, np.inf),
     "decode_only_time_s": (0.0, np.inf),
 }
 
 POSITIVE_COLUMNS: tuple[str, ...] = ("iteration_time_s", "decode_only_time_s")
-
-PROFILE_COLUMNS: tuple[str, ...] = (
-    "schema_version",
-    *STRING_COLUMNS,
-    "tp",
-    "state_id",
-    "state_group",
-    "repeat",
-    *FEATURES,
-    "kv_capacity_tokens",
-    "chunk_tokens",
-    "cached_prefix_tokens",
-    "iteration_time_s",
-    "decode_only_time_s",
-)
-"""Every column a profile must have, in the canonical order used for hashing and writing."""
 
 STATE_COLUMNS: tuple[str, ...] = (
     "source",
@@ -90,6 +92,17 @@ STATE_COLUMNS: tuple[str, ...] = (
     "kv_capacity_tokens",
 )
 """Columns that must be constant within one ``state_id``."""
+
+CHECKPOINT_COLUMNS: tuple[str, ...] = STEP_COLUMNS[1:]
+"""Columns that must be constant within one (``state_id``, ``decode_step``)."""
+
+
+def step_zero_columns(df: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The step columns of a table measured at step 0 only, derived from its node-state columns:
+    the whole batch and its summed context."""
+    batch = pd.to_numeric(df["decode_batch_size"], errors="coerce").to_numpy(dtype=float)
+    ctx = pd.to_numeric(df["context_tokens_mean"], errors="coerce").to_numpy(dtype=float)
+    return {"decode_step": np.zeros(len(df)), "step_batch_size": batch, "step_context_tokens": batch * ctx}
 
 
 class ProfileSchemaError(ValueError):
@@ -104,19 +117,31 @@ def _fail(source: str, column: str, rows: np.ndarray, values: pd.Series | np.nda
     )
 
 
-def validate_profiles(df: pd.DataFrame, source: str = "<profiles>") -> pd.DataFrame:
-    """Check ``df`` against the schema and return it with canonical column order and dtypes.
-
-    Raises :class:`ProfileSchemaError` naming ``source``, the column and the first bad row (0-based
-    position in ``df``). Extra columns are dropped. Never mutates ``df``.
-    """
-    missing = [c for c in PROFILE_COLUMNS if c not in df.columns]
+def _with_step_columns(df: pd.DataFrame, source: str) -> pd.DataFrame:
+    """``df`` with every column present (step columns derived when all are absent), or an error."""
+    present_steps = [c for c in STEP_COLUMNS if c in df.columns]
+    if present_steps and len(present_steps) != len(STEP_COLUMNS):
+        raise ProfileSchemaError(
+            f"{source}: has step column(s) {present_steps} but not "
+            f"{[c for c in STEP_COLUMNS if c not in df.columns]}; give all of {list(STEP_COLUMNS)} or none"
+        )
+    missing = [c for c in PROFILE_COLUMNS if c not in df.columns and c not in STEP_COLUMNS]
     if missing:
         raise ProfileSchemaError(
             f"{source}: missing column(s) {missing}; a profile needs {list(PROFILE_COLUMNS)}"
         )
     if len(df) == 0:
         raise ProfileSchemaError(f"{source}: no rows")
+    return df if present_steps else df.assign(**step_zero_columns(df))
+
+
+def validate_profiles(df: pd.DataFrame, source: str = "<profiles>") -> pd.DataFrame:
+    """Check ``df`` against the schema and return it with canonical column order and dtypes.
+
+    Raises :class:`ProfileSchemaError` naming ``source``, the column and the first bad row (0-based
+    position in ``df``). Extra columns are dropped. Never mutates ``df``.
+    """
+    df = _with_step_columns(df, source)
     out = pd.DataFrame(index=pd.RangeIndex(len(df)))
     for col in STRING_COLUMNS:
         values = df[col].to_numpy()
@@ -133,15 +158,16 @@ def validate_profiles(df: pd.DataFrame, source: str = "<profiles>") -> pd.DataFr
         if len(bad):
             _fail(source, col, bad, raw, f"must be >= {low}")
         out[col] = raw.astype(np.int64)
-    bad = np.flatnonzero(out["schema_version"].to_numpy() != PROFILE_SCHEMA_VERSION)
+    bad = np.flatnonzero(~np.isin(out["schema_version"].to_numpy(), READABLE_VERSIONS))
     if len(bad):
         _fail(
             source,
             "schema_version",
             bad,
             out["schema_version"].to_numpy(),
-            f"this reader understands version {PROFILE_SCHEMA_VERSION} only",
+            f"this reader understands versions {list(READABLE_VERSIONS)}",
         )
+    out["schema_version"] = PROFILE_SCHEMA_VERSION  # read as the current version (see the module docstring)
     for col, (low, high) in FLOAT_COLUMNS.items():
         raw = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
         bad = np.flatnonzero(~np.isfinite(raw))
@@ -159,21 +185,38 @@ def validate_profiles(df: pd.DataFrame, source: str = "<profiles>") -> pd.DataFr
     return out[list(PROFILE_COLUMNS)]
 
 
-def _check_state_consistency(df: pd.DataFrame, source: str) -> None:
-    """Every row of one ``state_id`` must describe the same node state."""
-    ids = df["state_id"].to_numpy()
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    same_state = sorted_ids[1:] == sorted_ids[:-1]
-    for col in STATE_COLUMNS:
+def _first_disagreement(keys: np.ndarray, df: pd.DataFrame, columns: tuple[str, ...]) -> tuple[str, int, int]:
+    """(column, row, key) of the first row whose ``columns`` differ from another row with equal key;
+    ``("", -1, -1)`` when all agree. ``keys`` is one int64 per row."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    same = sorted_keys[1:] == sorted_keys[:-1]
+    for col in columns:
         values = df[col].to_numpy()[order]
-        bad = np.flatnonzero(same_state & (values[1:] != values[:-1]))
+        bad = np.flatnonzero(same & (values[1:] != values[:-1]))
         if len(bad):
-            row = int(order[bad[0] + 1])
-            raise ProfileSchemaError(
-                f"{source}: column {col!r} row {row}: differs from another row of state_id "
-                f"{int(sorted_ids[bad[0]])} (a state's node-state columns must be constant)"
-            )
+            return col, int(order[bad[0] + 1]), int(sorted_keys[bad[0]])
+    return "", -1, -1
+
+
+def _check_state_consistency(df: pd.DataFrame, source: str) -> None:
+    """Every row of one ``state_id`` describes the same node state, and every row of one checkpoint
+    (``state_id``, ``decode_step``) the same evolved batch."""
+    ids = df["state_id"].to_numpy()
+    col, row, key = _first_disagreement(ids, df, STATE_COLUMNS)
+    if row >= 0:
+        raise ProfileSchemaError(
+            f"{source}: column {col!r} row {row}: differs from another row of state_id "
+            f"{key} (a state's node-state columns must be constant)"
+        )
+    steps = df["decode_step"].to_numpy()
+    pair = ids * (int(steps.max()) + 1) + steps
+    col, row, _ = _first_disagreement(pair, df, CHECKPOINT_COLUMNS)
+    if row >= 0:
+        raise ProfileSchemaError(
+            f"{source}: column {col!r} row {row}: differs from another row of state_id "
+            f"{int(ids[row])} at decode_step {int(steps[row])} (a checkpoint's columns must be constant)"
+        )
 
 
 def profiles_sha256(df: pd.DataFrame) -> str:
@@ -182,7 +225,7 @@ def profiles_sha256(df: pd.DataFrame) -> str:
     Independent of the Parquet writer and of row order, so the same measurements always hash the same.
     """
     canon = df[list(PROFILE_COLUMNS)].sort_values(
-        ["state_id", "cached_prefix_tokens", "chunk_tokens", "repeat"], kind="stable"
+        ["state_id", "decode_step", "cached_prefix_tokens", "chunk_tokens", "repeat"], kind="stable"
     )
     digest = hashlib.sha256()
     for col in PROFILE_COLUMNS:
@@ -194,15 +237,23 @@ def profiles_sha256(df: pd.DataFrame) -> str:
     return digest.hexdigest()
 
 
+def _is_csv(path: Path) -> bool:
+    return path.suffix.lower() == ".csv"
+
+
 def write_profiles(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
-    """Validate ``df`` and write it as Parquet, atomically (temp file in the same folder, then rename)."""
+    """Validate ``df`` and write it atomically (temp file in the same folder, then rename): CSV when
+    ``path`` ends in ``.csv``, Parquet otherwise."""
     path = Path(path)
     clean = validate_profiles(df, source=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        clean.to_parquet(tmp, engine="pyarrow", index=False)
+        if _is_csv(path):
+            clean.to_csv(tmp, index=False)
+        else:
+            clean.to_parquet(tmp, engine="pyarrow", index=False)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a profile is a shareable data file
         os.replace(tmp, path)
     except BaseException:
@@ -212,12 +263,17 @@ def write_profiles(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
 
 
 def read_profiles(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Read a Parquet profile and validate it; errors name ``path``."""
+    """Read a profile (Parquet, or CSV when the name ends in ``.csv``) and validate it; errors name
+    ``path``. CSV rows are numbered like the validation messages: row 0 is the first data line."""
     path = Path(path)
     if not path.is_file():
         raise ProfileSchemaError(f"{path}: no such profile file")
     try:
-        df = pd.read_parquet(path, engine="pyarrow")
-    except Exception as exc:  # pyarrow raises several types for a corrupt file
-        raise ProfileSchemaError(f"{path}: not a readable Parquet file ({exc})") from exc
+        if _is_csv(path):
+            df = pd.read_csv(path, dtype={c: str for c in STRING_COLUMNS})
+        else:
+            df = pd.read_parquet(path, engine="pyarrow")
+    except Exception as exc:  # pyarrow / the CSV parser raise several types for a corrupt file
+        kind = "CSV" if _is_csv(path) else "Parquet"
+        raise ProfileSchemaError(f"{path}: not a readable {kind} file ({exc})") from exc
     return validate_profiles(df, source=str(path))

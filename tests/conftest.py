@@ -1,4 +1,4 @@
-"""Test-wide settings: offline W&B, one torch thread, and the ``gpu`` marker gate."""
+"""Test-wide settings: offline W&B, one torch thread, and the ``gpu`` and ``cuda`` marker gates."""
 
 from __future__ import annotations
 
@@ -23,7 +23,19 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)  # small MLPs run several times slower with more threads on 2 cores
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if cuda_items and not _cuda_available():
+        for item in cuda_items:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (torch sees none)"))
     if config.getoption("--run-gpu"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and SGLang (run with --run-gpu)")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from interference_model.artifact import DEFAULT_ITL_TARGET, default_predictor, load_predictor
+from interference_model.labels import DEFAULT_HORIZON_S
 from train.cli import main
 
 
@@ -18,7 +19,18 @@ def run(*argv: str) -> int:
 
 def test_profile_fit_eval(tmp_path: Path) -> None:
     pytest.importorskip("envs.cost_model")
-    common = ("--gpu", "H200", "--model", "gpt-oss-120b", "--tp", "1", "--repeats", "3")
+    common = (
+        "--gpu",
+        "H200",
+        "--model",
+        "gpt-oss-120b",
+        "--tp",
+        "1",
+        "--repeats",
+        "3",
+        "--checkpoints",
+        "0,64,160",
+    )
     assert (
         run(
             "profile",
@@ -88,13 +100,32 @@ def test_profile_fit_eval(tmp_path: Path) -> None:
         == 0
     )
     report = json.loads((tmp_path / "eval.json").read_text())
-    assert set(report["metrics"]) == {"lightgbm", "analytic_cost_model", "linear", "utilisation_threshold"}
-    # The analytic inverse of the noise-free cost model *is* the noise-free truth.
-    assert report["vs_reference"]["analytic_cost_model"]["mape"] == pytest.approx(0.0, abs=1e-9)
+    rows = {"lightgbm", "datasheet_roofline", "linear", "utilisation_threshold", "simulator_cost_model"}
+    assert set(report["metrics"]) == rows and report["reference_rows"] == ["simulator_cost_model"]
+    assert set(report["at_equal_unsafe"]) == rows - {"lightgbm"}
+    # Every baseline, scaled to the model's unsafe share, has that share (up to ties).
+    share = report["metrics"]["lightgbm"]["unsafe_share"]
+    assert report["at_equal_unsafe"]["linear"]["unsafe_share"] <= share + 1e-9
+    # The datasheet roofline has no calibration: optimistic, so mostly unsafe before scaling.
+    assert report["metrics"]["datasheet_roofline"]["mean_pred_over_true"] > 1.5
+    assert report["label_spec"]["horizon_s"] == 8.0 and report["label_spec"]["tpot_slo_ms"] == 50.0
+    assert [t["target"].split()[0] for t in report["targets"]] == [
+        "MAPE",
+        "unsafe",
+        "single",
+        "datasheet_roofline",
+    ]
+    assert all(t["met"] in (True, False) for t in report["targets"])
+    assert (
+        report["latency_us"]["fast_predictor_us"] > 0 and report["latency_us"]["lightgbm_one_thread_us"] > 0
+    )
     assert (tmp_path / "plots" / "calibration.png").stat().st_size > 1000
     assert (tmp_path / "plots" / "error_by_region.png").stat().st_size > 1000
-    pred = load_predictor(tmp_path / "art", gpu="h200", model="gpt-oss-120b", tp=1, itl_target="1.5x")
+    pred = load_predictor(
+        tmp_path / "art", gpu="h200", model="gpt-oss-120b", tp=1, itl_target="1.5x", horizon_s=8.0
+    )
     assert pred.safe_prefill_tokens_per_s(32, 4000.0, 800.0, 300.0, 0.2) > 0
+    assert "--horizon 8 " in pred.metadata["command"] and "--seed 0" in pred.metadata["command"]
 
 
 def test_eval_refuses_profiles_of_another_setup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,9 +163,15 @@ def test_eval_refuses_profiles_of_another_setup(tmp_path: Path, capsys: pytest.C
 @pytest.mark.parametrize(("gpu", "model", "tp"), [("H200", "gpt-oss-120b", 1), ("H200", "GLM-5", 8)])
 def test_shipped_defaults_load(gpu: str, model: str, tp: int) -> None:
     pred = default_predictor(gpu, model, tp)
-    assert pred.metadata["itl_target"]["spec"] == DEFAULT_ITL_TARGET
+    meta = pred.metadata
+    assert meta["itl_target"]["spec"] == DEFAULT_ITL_TARGET and meta["horizon_s"] == DEFAULT_HORIZON_S
+    # Refitted by the project's own command, recorded with its seed.
+    assert meta["command"].startswith("crossflow fit-interference ") and "--seed 0" in meta["command"]
+    assert meta["profiles_note"].startswith("crossflow profile ") and "--seed 0" in meta["profiles_note"]
     small = pred.safe_prefill_tokens_per_s(4, 2000.0, 500.0, 200.0, 0.05)
     assert small > 0
+    # A full cache lends nothing: the KV room is exact, not learned.
+    assert pred.safe_prefill_tokens_per_s(4, 2000.0, 500.0, 200.0, 1.0) == 0.0
 
 
 def test_wandb_logging_is_offline_and_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

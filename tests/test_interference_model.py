@@ -17,13 +17,15 @@ from interference_model.fit import (
     ConformalShift,
     FitConfig,
     FitResult,
+    LeaseCap,
     conformal_log_shift,
+    conformal_shift,
     fit_interference_model,
     group_kfold,
     model_inputs,
     mondrian_shift,
 )
-from interference_model.labels import LABEL, ItlTarget, derive_labels
+from interference_model.labels import ITL_LABEL, LABEL, LeaseLabel, derive_labels
 from interference_model.predictor import SafeThroughputPredictor
 from interference_model.schema import FEATURES, profiles_sha256
 
@@ -51,22 +53,14 @@ class FakeCostModel:
         return 5e-4 + np.maximum(memory_s, compute_s) + 0.2 * np.minimum(memory_s, compute_s)
 
 
-TARGET = ItlTarget.parse("20ms")  # absolute: every physical monotone constraint applies
+TARGET = LeaseLabel.parse("20ms", horizon_s=2.0)  # absolute: every physical monotone constraint applies
 SMALL = FitConfig(num_boost_round=30, n_folds=3, num_leaves=15)
+FAKE = {"cost_model": FakeCostModel(), "chunk_sizes": (64, 256, 1024, 4096), "checkpoint_steps": (0, 16, 48)}
 
 
 @pytest.fixture(scope="module")
 def profiles() -> pd.DataFrame:
-    return simulate_profiles(
-        "FAKE",
-        "fake-model",
-        1,
-        240,
-        seed=3,
-        repeats=3,
-        cost_model=FakeCostModel(),
-        chunk_sizes=(64, 256, 1024, 4096),
-    )
+    return simulate_profiles("FAKE", "fake-model", 1, 240, seed=3, repeats=3, **FAKE)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +74,6 @@ def artifact(tmp_path: Path, fitted: tuple[pd.DataFrame, FitResult], profiles: p
     return save_artifact(
         tmp_path / "art",
         fitted[1],
-        itl_target=TARGET,
         hardware="FAKE",
         model="fake-model",
         tp=1,
@@ -90,36 +83,19 @@ def artifact(tmp_path: Path, fitted: tuple[pd.DataFrame, FitResult], profiles: p
 
 
 def test_profiler_is_deterministic_and_noise_is_separate(profiles: pd.DataFrame) -> None:
-    again = simulate_profiles(
-        "FAKE",
-        "fake-model",
-        1,
-        240,
-        seed=3,
-        repeats=3,
-        cost_model=FakeCostModel(),
-        chunk_sizes=(64, 256, 1024, 4096),
-    )
+    again = simulate_profiles("FAKE", "fake-model", 1, 240, seed=3, repeats=3, **FAKE)  # type: ignore[arg-type]
     pd.testing.assert_frame_equal(profiles, again)
-    clean = simulate_profiles(
-        "FAKE",
-        "fake-model",
-        1,
-        240,
-        seed=3,
-        repeats=3,
-        cost_model=FakeCostModel(),
-        chunk_sizes=(64, 256, 1024, 4096),
-        noise=None,
-    )
+    clean = simulate_profiles("FAKE", "fake-model", 1, 240, seed=3, repeats=3, noise=None, **FAKE)  # type: ignore[arg-type]
     pd.testing.assert_frame_equal(profiles[list(FEATURES)], clean[list(FEATURES)])
     assert not np.allclose(profiles["iteration_time_s"], clean["iteration_time_s"])
     # Repeats of a noise-free point are identical; the running KV never exceeds capacity.
-    assert clean.groupby(["state_id", "chunk_tokens"])["iteration_time_s"].nunique().max() == 1
+    point = ["state_id", "decode_step", "chunk_tokens"]
+    assert clean.groupby(point)["iteration_time_s"].nunique().max() == 1
     states = profiles.drop_duplicates("state_id")
     used = states["decode_batch_size"] * states["context_tokens_mean"]
     assert (used <= states["kv_occupancy"] * states["kv_capacity_tokens"] + 1e-6).all()
-    assert len(profiles) == 240 * 4 * 3
+    n_checkpoints = profiles.groupby("state_id")["decode_step"].nunique()
+    assert len(profiles) == n_checkpoints.sum() * 4 * 3 and set(n_checkpoints) <= {1, 2, 3}
 
 
 def test_group_kfold_keeps_groups_together() -> None:
@@ -143,12 +119,10 @@ def test_conformal_shift_by_hand() -> None:
 
 
 def test_mondrian_shift_per_batch_bin() -> None:
-    y = np.full(400, 100.0)
     batch = np.repeat([2.0, 50.0], 200)
     excess = np.r_[np.linspace(-0.2, 0.0, 200), np.linspace(-0.1, 0.3, 200)]
-    raw = np.log1p(1.05 * y) + excess
     config = FitConfig(unsafe_target=0.05, shift_batch_edges=(10.0,), min_states_per_shift_bin=100)
-    free = mondrian_shift(raw, y, batch, config, mono_batch=0)
+    free = mondrian_shift(excess, batch, config, mono_batch=0)
     # Each bin allows floor(0.05 * 201) - 1 = 9 unsafe states: its 10th largest excess.
     assert free.log_shifts == pytest.approx((excess[:200][-10], excess[200:][-10]))
     assert (
@@ -156,27 +130,46 @@ def test_mondrian_shift_per_batch_bin() -> None:
         == [free.log_shifts[0]] * 2 + [free.log_shifts[1]] * 2
     )
     # Constrained non-increasing in batch: shifts must not fall as batch grows.
-    reversed_bins = mondrian_shift(raw, y, batch[::-1].copy(), config, mono_batch=-1)
+    reversed_bins = mondrian_shift(excess, batch[::-1].copy(), config, mono_batch=-1)
     assert reversed_bins.log_shifts[1] >= reversed_bins.log_shifts[0]
     sparse = FitConfig(unsafe_target=0.05, shift_batch_edges=(10.0,), min_states_per_shift_bin=300)
-    glob = conformal_log_shift(raw, y, 0.05, 0.05)
-    assert mondrian_shift(raw, y, batch, sparse, mono_batch=0).log_shifts == (glob, glob)
+    glob = conformal_shift(excess, 0.05)
+    assert mondrian_shift(excess, batch, sparse, mono_batch=0).log_shifts == (glob, glob)
+
+
+def test_states_the_kv_cap_keeps_safe_do_not_move_the_shift() -> None:
+    # Excess -inf: the cap alone keeps the state within the margin. 10 such states with the largest
+    # raw errors would otherwise set the shift.
+    excess = np.r_[np.full(10, -np.inf), np.linspace(-0.5, 0.48, 89)]
+    assert conformal_shift(excess, 0.05) == pytest.approx(excess[-5])
+    assert conformal_shift(np.full(20, -np.inf), 0.05) == 0.0
+
+
+def test_lease_cap_floors_then_caps_by_kv_room() -> None:
+    cap = LeaseCap(
+        LeaseLabel.parse("1.5x", horizon_s=8.0), kv_capacity_tokens=1000.0, min_rate_tokens_per_s=8.0
+    )
+    # Rooms: 1000 * (1 - 0.5) - 4 * 100 = 100 tokens -> 12.5 tokens/s; 1000 * 0.9 - 0 -> 112.5; none.
+    X = np.array([[4, 1000, 0, 100, 0.5], [4, 1000, 0, 0, 0.1], [4, 1000, 0, 250, 0.0]], dtype=float)
+    np.testing.assert_allclose(cap.apply(np.array([50.0, 50.0, 50.0]), X), [12.5, 50.0, 0.0])
+    np.testing.assert_allclose(cap.apply(np.array([7.9, 7.9, 7.9]), X), [0.0, 0.0, 0.0])  # under the floor
 
 
 def test_fast_predictor_applies_per_bin_shift(fitted: tuple[pd.DataFrame, FitResult]) -> None:
     labels, fit = fitted
     shift = ConformalShift((4.0, 32.0), (0.3, -0.1, 0.05))
-    pred = SafeThroughputPredictor(fit.booster.dump_model(), shift)
+    pred = SafeThroughputPredictor(fit.booster.dump_model(), shift, fit.cap)
     X = labels[list(FEATURES)].to_numpy()
     raw = fit.booster.predict(model_inputs(X))
-    want = np.maximum(np.expm1(raw - shift.for_batch(X[:, 0])), 0.0)
+    want = fit.cap.apply(np.expm1(raw - shift.for_batch(X[:, 0])), X)
     np.testing.assert_allclose(pred.predict(X), want, rtol=1e-9)
     np.testing.assert_allclose([pred.safe_prefill_tokens_per_s(*row) for row in X[:40]], want[:40], rtol=1e-9)
 
 
 def test_fit_is_conservative_out_of_fold(fitted: tuple[pd.DataFrame, FitResult]) -> None:
-    _, fit = fitted
+    labels, fit = fitted
     assert fit.cv_metrics["unsafe_share"] <= 0.02 + 1e-9
+    assert (labels["limited_by"] == "kv").any() and (labels[LABEL] <= labels[ITL_LABEL]).all()
     assert fit.cv_metrics["mape"] < 0.5
     assert set(fit.feature_importance()) == set(MODEL_FEATURES)
     with pytest.raises(ValueError, match="monotone"):
@@ -228,6 +221,9 @@ def test_artifact_round_trip_metadata(artifact: Path, profiles: pd.DataFrame) ->
     meta = json.loads((artifact / "metadata.json").read_text())
     assert meta["features"] == list(FEATURES)
     assert meta["itl_target"] == {"kind": "absolute_ms", "value": 20.0, "floor_ms": 0.0, "spec": "20ms"}
+    assert LeaseLabel.from_dict(meta["label"]) == TARGET and meta["horizon_s"] == 2.0
+    assert meta["kv_capacity_tokens"] == FakeCostModel.kv_capacity_tokens
+    assert meta["min_rate_tokens_per_s"] == pytest.approx(64.0 / 2.0)
     assert meta["data_sha256"] == profiles_sha256(profiles)
     assert meta["command"] == "pytest" and "lightgbm" in meta["library_versions"]
     pred = load_predictor(artifact, gpu="fake", model="FAKE-MODEL", tp=1, itl_target="20ms")
@@ -241,6 +237,7 @@ def test_artifact_round_trip_metadata(artifact: Path, profiles: pd.DataFrame) ->
         ({"model": "GLM-5"}, "model"),
         ({"tp": 8}, "tp"),
         ({"itl_target": "1.5x"}, "itl_target"),
+        ({"horizon_s": 8.0}, "horizon_s"),
     ],
 )
 def test_metadata_mismatch_is_a_clear_error(artifact: Path, kwargs: dict[str, object], field: str) -> None:
@@ -277,3 +274,12 @@ def test_features_mismatch_in_metadata(artifact: Path) -> None:
 def test_labels_of_profile_have_positive_throughput(fitted: tuple[pd.DataFrame, FitResult]) -> None:
     labels, _ = fitted
     assert (labels[LABEL] >= 0).all() and (labels[LABEL] > 0).mean() > 0.5
+
+
+def test_an_artifact_of_the_instantaneous_label_is_refused(artifact: Path) -> None:
+    meta_path = artifact / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["format_version"] = 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match=r"format_version' is 1.*refit"):
+        load_predictor(artifact)

@@ -116,3 +116,36 @@ def test_write_refuses_invalid_table_and_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(ProfileSchemaError):
         write_profiles(df, tmp_path / "p.parquet")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_table_without_step_columns_reads_as_step_zero() -> None:
+    df = tiny_profile().assign(schema_version=1)  # a version-1 table: no step columns
+    out = validate_profiles(df)
+    assert (out["schema_version"] == PROFILE_SCHEMA_VERSION).all() and (out["decode_step"] == 0).all()
+    np.testing.assert_array_equal(out["step_batch_size"], out["decode_batch_size"])
+    np.testing.assert_allclose(
+        out["step_context_tokens"], out["decode_batch_size"] * out["context_tokens_mean"]
+    )
+
+
+def test_step_columns_are_all_or_none_and_constant_per_checkpoint() -> None:
+    df = validate_profiles(tiny_profile())
+    with pytest.raises(ProfileSchemaError, match=r"has step column\(s\) \['decode_step'\] but not"):
+        validate_profiles(df.drop(columns=["step_batch_size", "step_context_tokens"]))
+    bad = df.copy()
+    bad.loc[1, "step_batch_size"] = 3  # row 1 is the same checkpoint of state 0 as row 0
+    with pytest.raises(ProfileSchemaError, match=r"'step_batch_size' row 1: .* state_id 0 at decode_step 0"):
+        validate_profiles(bad)
+    later = df.copy()
+    later.loc[1, ["decode_step", "step_batch_size"]] = [40, 3]  # another checkpoint may differ
+    assert len(validate_profiles(later)) == len(df)
+
+
+def test_csv_round_trip(tmp_path: Path) -> None:
+    df = validate_profiles(tiny_profile())
+    back = read_profiles(write_profiles(df, tmp_path / "p.csv"))
+    pd.testing.assert_frame_equal(back, df)
+    assert profiles_sha256(back) == profiles_sha256(df)
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ProfileSchemaError, match=r"bad.csv: missing column"):
+        read_profiles(tmp_path / "bad.csv")

@@ -254,7 +254,8 @@ def test_stream_parsing_counts_tokens_from_meta_info_and_reads_aborts_and_cached
 
 def test_single_request_times_match_the_cost_model_in_emulated_time() -> None:
     cm = CostModel(*MODEL)
-    n_in, n_out, scale = 2000, 40, 2.0
+    # a slow emulation (8x) keeps the event loop's own latency small against each emulated step
+    n_in, n_out, scale = 2000, 40, 8.0
     prefill_s = cm.iteration_time_s([(n_in, 0)], 0, 0)
     decode_s = cm.iteration_time_s([], 1, n_in + n_out // 2)
     trace = Trace("one", [Request(0, -1, 0, 0.0, n_in, n_out)])
@@ -275,11 +276,11 @@ def test_without_a_reported_scale_times_stay_wall_times() -> None:
     cm = CostModel(*MODEL)
     decode_s = cm.iteration_time_s([], 1, 1020)
     trace = Trace("one", [Request(0, -1, 0, 0.0, 1000, 40)])
-    with BackgroundWorker(EmulatedWorker(cm, time_scale=2.0)) as worker:  # reports no crossflow scale
+    with BackgroundWorker(EmulatedWorker(cm, time_scale=8.0)) as worker:  # reports no crossflow scale
         result = replay(trace, ReplayConfig(url=worker.url, timeout_s=30))
-        forced = replay(trace, ReplayConfig(url=worker.url, timeout_s=30, time_scale=2.0))
+        forced = replay(trace, ReplayConfig(url=worker.url, timeout_s=30, time_scale=8.0))
     assert result.time_scale_source == "default"
-    assert result.metrics["itl_mean_s"] == pytest.approx(2 * decode_s, rel=0.3)
+    assert result.metrics["itl_mean_s"] == pytest.approx(8 * decode_s, rel=0.3)
     assert forced.time_scale_source == "argument"
     assert forced.metrics["itl_mean_s"] == pytest.approx(decode_s, rel=0.3)
 

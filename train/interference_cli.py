@@ -1,8 +1,8 @@
 """``crossflow profile``, ``crossflow fit-interference`` and ``crossflow eval-interference``.
 
-The first user journey: simulated profiles (Parquet) -> a conservative LightGBM artifact -> an
-evaluation against baselines on held-out profiles. Each command returns an exit code and, with
-``--json PATH``, writes its figures machine-readable.
+The first user journey: simulated profiles (Parquet) -> a conservative LightGBM artifact of the
+lease label -> an evaluation against honest baselines on held-out profiles, with the targets. Each
+command returns an exit code and, with ``--json PATH``, writes its figures machine-readable.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from interference_model.artifact import DEFAULT_ITL_TARGET
+from interference_model.labels import DEFAULT_HORIZON_S, DEFAULT_TPOT_SLO_MS
 from train.jsonio import write_json
 from train.model_args import add_model_arguments, model_from_args, model_options
 
@@ -29,6 +30,12 @@ def _fit_command(args: argparse.Namespace) -> str:
         str(args.profiles),
         "--itl-target",
         args.itl_target,
+        "--horizon",
+        f"{args.horizon:g}",
+        "--tpot-slo",
+        f"{args.tpot_slo:g}",
+        "--min-lease-tokens",
+        f"{args.min_lease_tokens:g}",
         "--cached-prefix-tokens",
         str(args.cached_prefix_tokens),
         "--unsafe-target",
@@ -40,7 +47,15 @@ def _fit_command(args: argparse.Namespace) -> str:
     ]
     if args.quantile_alpha is not None:
         argv += ["--quantile-alpha", str(args.quantile_alpha)]
+    if args.no_kv_room:
+        argv.append("--no-kv-room")
     return shlex.join(argv)
+
+
+def _label(args: argparse.Namespace) -> Any:
+    from interference_model.labels import LeaseLabel
+
+    return LeaseLabel.parse(args.itl_target, args.horizon, args.tpot_slo, kv_room=not args.no_kv_room)
 
 
 # --- profile -------------------------------------------------------------------------------------
@@ -62,8 +77,14 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--gpu", default="H200", help="GPU (default: H200)")
     p.add_argument("--model", default="gpt-oss-120b", help="model (default: gpt-oss-120b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
-    p.add_argument("--n-states", type=int, default=4000, help="node states to sweep (default: 4000)")
+    p.add_argument("--n-states", type=int, default=8000, help="node states to sweep (default: 8000)")
     p.add_argument("--repeats", type=int, default=9, help="measurements per point (default: 9)")
+    p.add_argument(
+        "--checkpoints",
+        default=None,
+        help="decode steps at which each state is measured again, comma-separated, from 0 "
+        "(default: envs.profiler.DEFAULT_CHECKPOINT_STEPS)",
+    )
     p.add_argument("--max-batch", type=int, default=256, help="largest decode batch sampled (default: 256)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--no-noise", action="store_true", help="noise-free timings (the cost model's truth)")
@@ -75,7 +96,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from envs.profiler import MeasurementNoise, StateSampler, simulate_profiles
+    from envs.profiler import DEFAULT_CHECKPOINT_STEPS, MeasurementNoise, StateSampler, simulate_profiles
     from interference_model.schema import profiles_sha256, write_profiles
 
     t0 = time.perf_counter()
@@ -92,12 +113,14 @@ def run_profile(args: argparse.Namespace) -> int:
         from envs.cost_model import CostModel
 
         spec = model_from_args(args, tp=args.tp)
+        steps = DEFAULT_CHECKPOINT_STEPS if args.checkpoints is None else _int_list(args.checkpoints)
         df = simulate_profiles(
             args.gpu,
             args.model,
             args.tp,
             args.n_states,
             args.seed,
+            checkpoint_steps=steps,
             repeats=args.repeats,
             noise=None if args.no_noise else MeasurementNoise(),
             sampler=StateSampler(max_batch=args.max_batch),
@@ -121,14 +144,24 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--checkpoints {text!r}: write integers separated by commas, e.g. 0,64,128"
+        ) from None
+
+
 # --- fit-interference ----------------------------------------------------------------------------
 
 
 def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "fit-interference",
-        help="fit a conservative LightGBM safe-prefill-throughput model from profiles",
-        description="Derive safe-prefill-throughput labels at an ITL target, fit LightGBM with grouped CV "
+        help="fit a conservative LightGBM model of the lease label (safe prefill over a lease) from profiles",
+        description="Derive the lease label (the prefill a node can absorb over --horizon seconds with every "
+        "step within the ITL target and the TPOT SLO, and its KV within room), fit LightGBM with grouped CV "
         "and a conformal shift, and write an artifact folder (model.txt + metadata.json).",
     )
     p.add_argument("--profiles", required=True, help="Parquet profile file")
@@ -137,6 +170,26 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         default=DEFAULT_ITL_TARGET,
         help="ITL target: ratio to the decode-only step ('1.5x'), absolute ('40ms'), or the looser of both "
         f"('1.5x|25ms'); default {DEFAULT_ITL_TARGET}, as the shipped artifacts",
+    )
+    p.add_argument(
+        "--horizon",
+        type=float,
+        default=DEFAULT_HORIZON_S,
+        help="lease horizon in seconds: the TTL the policy multiplies the rate by "
+        f"(default {DEFAULT_HORIZON_S:g})",
+    )
+    p.add_argument(
+        "--tpot-slo",
+        type=float,
+        default=DEFAULT_TPOT_SLO_MS,
+        help=f"no step may take longer, in ms (default {DEFAULT_TPOT_SLO_MS:g})",
+    )
+    p.add_argument("--no-kv-room", action="store_true", help="label the ITL part only, without the KV cap")
+    p.add_argument(
+        "--min-lease-tokens",
+        type=float,
+        default=64.0,
+        help="predictions under this many tokens per horizon read 0 (default 64)",
     )
     p.add_argument(
         "--cached-prefix-tokens", type=int, default=0, help="label prefill with this cached prefix"
@@ -164,28 +217,30 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 def run_fit(args: argparse.Namespace) -> int:
     from interference_model.artifact import log_artifact_to_wandb, save_artifact
     from interference_model.fit import FitConfig, fit_interference_model
-    from interference_model.labels import ItlTarget, derive_labels
+    from interference_model.labels import derive_labels
     from interference_model.schema import profiles_sha256, read_profiles
 
-    target = ItlTarget.parse(args.itl_target)
+    label = _label(args)
     profiles = read_profiles(args.profiles)
     keys = profiles[["hardware", "model", "tp"]].drop_duplicates()
     if len(keys) != 1:
         raise ValueError(f"{args.profiles}: one hardware/model/tp per fit, found {keys.to_dict('records')}")
     hardware, model, tp = keys.iloc[0]["hardware"], keys.iloc[0]["model"], int(keys.iloc[0]["tp"])
-    labels = derive_labels(profiles, target, cached_prefix_tokens=args.cached_prefix_tokens)
+    labels = derive_labels(
+        profiles, label, cached_prefix_tokens=args.cached_prefix_tokens, source=str(args.profiles)
+    )
     config = FitConfig(
         quantile_alpha=args.quantile_alpha,
         monotone=args.quantile_alpha is None,
         unsafe_target=args.unsafe_target,
+        min_lease_tokens=args.min_lease_tokens,
         seed=args.seed,
     )
     t0 = time.perf_counter()
-    fit = fit_interference_model(labels, target, config)
+    fit = fit_interference_model(labels, label, config)
     out = save_artifact(
         args.out,
         fit,
-        itl_target=target,
         hardware=hardware,
         model=model,
         tp=tp,
@@ -197,6 +252,7 @@ def run_fit(args: argparse.Namespace) -> int:
             "n_train_states": len(labels),
             "profiles_file": Path(args.profiles).name,
             "label_limited_by": labels["limited_by"].value_counts().to_dict(),
+            "seed": args.seed,
         },
     )
     summary = {
@@ -204,7 +260,8 @@ def run_fit(args: argparse.Namespace) -> int:
         "hardware": hardware,
         "model": model,
         "tp": tp,
-        "itl_target": str(target),
+        "label": str(label),
+        "itl_target": str(label.itl_target),
         "n_states": len(labels),
         "log_shifts": list(fit.shift.log_shifts),
         "shift_batch_edges": list(fit.shift.batch_edges),
@@ -214,7 +271,7 @@ def run_fit(args: argparse.Namespace) -> int:
     }
     cv = fit.cv_metrics
     print(
-        f"fitted {hardware}/{model}/tp{tp} at ITL {target} on {len(labels)} states: CV MAPE "
+        f"fitted {hardware}/{model}/tp{tp}, label {label}, on {len(labels)} states: CV MAPE "
         f"{cv['mape']:.1%}, unsafe {cv['unsafe_share']:.1%}, log shifts "
         f"{min(fit.shift.log_shifts):+.3f}..{max(fit.shift.log_shifts):+.3f} -> {out}"
     )
@@ -230,16 +287,20 @@ def run_fit(args: argparse.Namespace) -> int:
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "eval-interference",
-        help="evaluate an interference artifact and baselines on held-out profiles",
-        description="MAPE and unsafe share (prediction > 1.05 x true) of the artifact, a linear model, a "
-        "utilisation threshold and the inverted cost model, overall and by region, with PNG plots.",
+        help="evaluate an interference artifact against honest baselines and the targets on held-out data",
+        description="MAPE and unsafe share (prediction > 1.05 x true) of the artifact and of the baselines "
+        "a user has -- the datasheet roofline (no calibration), the utilisation rule, a linear fit -- each "
+        "also at the artifact's unsafe share; the simulator's own cost model inverted (its ground truth, "
+        "not a baseline); the targets (MAPE, unsafe share, single-decision latency, gain over the "
+        "datasheet); "
+        "overall and by region, with PNG plots.",
     )
     p.add_argument("--artifact", required=True, help="artifact folder from fit-interference")
-    p.add_argument("--profiles", required=True, help="held-out Parquet profiles")
+    p.add_argument("--profiles", required=True, help="held-out profiles (Parquet or CSV), another seed")
     p.add_argument(
         "--train-profiles",
         default=None,
-        help="training profiles, to fit the linear and threshold baselines (skipped without)",
+        help="training profiles, to fit the linear and utilisation baselines (skipped without)",
     )
     p.add_argument(
         "--reference-profiles",
@@ -252,66 +313,130 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return p
 
 
-def run_eval(args: argparse.Namespace) -> int:
+REFERENCE_ROWS = ("simulator_cost_model",)
+"""Rows of the table that are not baselines a user has."""
+
+
+def eval_predictors(
+    meta: dict[str, Any], test: Any, train: Any, label: Any, predictor: Any
+) -> dict[str, Any]:
+    """The artifact's predictor and every baseline of the table, keyed by row name."""
     from envs.cost_model import CostModel
-    from interference_model.artifact import load_predictor
-    from interference_model.baselines import (
-        AnalyticInverseBaseline,
-        LinearBaseline,
-        UtilisationThresholdBaseline,
+    from envs.profiler import datasheet_roofline
+    from interference_model.baselines import InvertedTimeModel, LinearBaseline, UtilisationThresholdBaseline
+    from interference_model.fit import FitConfig
+
+    gpu, model, tp = meta["hardware"], meta["model"], int(meta["tp"])
+    prefix = int(meta.get("cached_prefix_tokens", 0))
+    chunks = tuple(int(c) for c in sorted(test["chunk_tokens"].unique()))
+    steps = tuple(int(k) for k in sorted(test["decode_step"].unique()))
+    capacity = int(test["kv_capacity_tokens"].iloc[0])
+
+    def inverted(timer: Any, name: str) -> Any:
+        return InvertedTimeModel(
+            timer, label, chunks, steps, capacity, cached_prefix_tokens=prefix, name=name
+        )
+
+    predictors: dict[str, Any] = {
+        "lightgbm": predictor,
+        "datasheet_roofline": inverted(datasheet_roofline(gpu, model, tp), "datasheet_roofline"),
+    }
+    if train is not None:
+        config = FitConfig(
+            **{k: v for k, v in meta["fit_config"].items() if k in FitConfig.__dataclass_fields__}
+        )
+        predictors["linear"] = LinearBaseline(label, config).fit(train)
+        predictors["utilisation_threshold"] = UtilisationThresholdBaseline(config.unsafe_target or 0.02).fit(
+            train
+        )
+    predictors["simulator_cost_model"] = inverted(CostModel(gpu, model, tp=tp), "simulator_cost_model")
+    return predictors
+
+
+def _fmt(value: Any, spec: str, width: int) -> str:
+    missing = value is None or (isinstance(value, float) and not np.isfinite(value))
+    return f"{'n/a' if missing else format(value, spec):>{width}}"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The table a person reads: every row, at equal unsafe share, and the targets."""
+    ref = "vs_reference" in report
+    print(f"label: {report['label']}; {report['n_states']} held-out states")
+    head = f"{'predictor':<38}{'MAPE':>8}{'unsafe':>8}{'MAPE@eq':>9}"
+    print(head + ("  | noise-free:  MAPE  unsafe MAPE@eq" if ref else ""))
+    for name, m in report["metrics"].items():
+        eq = report["at_equal_unsafe"].get(name, {}).get("mape")
+        tag = f"{name} (ground truth)" if name in REFERENCE_ROWS else name
+        line = f"{tag:<38}{_fmt(m['mape'], '.1%', 8)}{_fmt(m['unsafe_share'], '.1%', 8)}{_fmt(eq, '.1%', 9)}"
+        if ref:
+            r = report["vs_reference"][name]
+            req = report["vs_reference_at_equal_unsafe"].get(name, {}).get("mape")
+            line += f"  |{_fmt(r['mape'], '.1%', 18)}{_fmt(r['unsafe_share'], '.1%', 8)}{_fmt(req, '.1%', 8)}"
+        print(line)
+    print(
+        "MAPE@eq: the row divided by the one constant that gives it lightgbm's unsafe share on these states"
     )
-    from interference_model.evaluate import evaluate
-    from interference_model.labels import LABEL, ItlTarget, derive_labels
-    from interference_model.schema import read_profiles
+    lat = report["latency_us"]
+    print(
+        f"single decision: fast predictor {lat['fast_predictor_us']:.1f} us, "
+        f"LightGBM predict on one thread {lat.get('lightgbm_one_thread_us', float('nan')):.0f} us"
+    )
+    for t in report["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        value = _fmt(t["value"], ".3g", 0)
+        print(f"target {t['target']}: {value} (want {t['kind']} {t['limit']:g}) -> {verdict}")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from interference_model.artifact import artifact_label, load_booster, load_predictor
+    from interference_model.evaluate import Targets, check_targets, decision_latency_us, evaluate
+    from interference_model.labels import LABEL, derive_labels
+    from interference_model.schema import FEATURES, read_profiles
 
     predictor = load_predictor(args.artifact)
     meta = predictor.metadata
-    target = ItlTarget(
-        meta["itl_target"]["kind"],
-        float(meta["itl_target"]["value"]),
-        float(meta["itl_target"].get("floor_ms", 0.0)),
-    )
+    label = artifact_label(meta)
     prefix = int(meta.get("cached_prefix_tokens", 0))
     test = read_profiles(args.profiles)
     _check_same_setup(args.profiles, test, meta)
-    labels = derive_labels(test, target, cached_prefix_tokens=prefix)
-    cost_model = CostModel(meta["hardware"], meta["model"], tp=int(meta["tp"]))
-    chunks = tuple(int(c) for c in sorted(test["chunk_tokens"].unique()))
-    predictors: dict[str, Any] = {
-        "lightgbm": predictor,
-        "analytic_cost_model": AnalyticInverseBaseline(
-            cost_model, target, chunks, int(test["kv_capacity_tokens"].iloc[0]), prefix
-        ),
-    }
+    labels = derive_labels(test, label, cached_prefix_tokens=prefix, source=str(args.profiles))
+    train = None
     if args.train_profiles:
-        train = derive_labels(read_profiles(args.train_profiles), target, cached_prefix_tokens=prefix)
-        predictors["linear"] = LinearBaseline().fit(train)
-        predictors["utilisation_threshold"] = UtilisationThresholdBaseline().fit(train)
+        train_profiles = read_profiles(args.train_profiles)
+        _check_same_setup(args.train_profiles, train_profiles, meta)
+        train = derive_labels(
+            train_profiles, label, cached_prefix_tokens=prefix, source=str(args.train_profiles)
+        )
+    predictors = eval_predictors(meta, test, train, label, predictor)
     reference = None
     if args.reference_profiles:
-        ref = derive_labels(read_profiles(args.reference_profiles), target, cached_prefix_tokens=prefix)
+        ref = derive_labels(
+            read_profiles(args.reference_profiles),
+            label,
+            cached_prefix_tokens=prefix,
+            source=str(args.reference_profiles),
+        )
         if not np.array_equal(ref["state_id"].to_numpy(), labels["state_id"].to_numpy()):
             raise ValueError(f"{args.reference_profiles}: states differ from {args.profiles} (same seed?)")
         reference = ref[LABEL].to_numpy()
     report = evaluate(labels, predictors, plot_dir=args.plots, reference=reference)
+    latency = decision_latency_us(predictor, labels[list(FEATURES)].to_numpy(), load_booster(args.artifact))
+    targets = Targets()
     report.update(
         {
             "artifact": str(args.artifact),
             "profiles": str(args.profiles),
-            "itl_target": str(target),
+            "label": str(label),
+            "label_spec": label.to_dict(),
+            "label_limited_by": labels["limited_by"].value_counts().to_dict(),
+            "reference_rows": list(REFERENCE_ROWS),
+            "latency_us": latency,
+            "targets": check_targets(report, latency, targets),
+            "target_limits": {f: getattr(targets, f) for f in targets.__dataclass_fields__},
             "feature_importance_gain": meta.get("feature_importance_gain", {}),
         }
     )
-    print(
-        f"{'predictor':<24}{'MAPE':>8}{'unsafe':>9}"
-        + ("   vs noise-free: MAPE  unsafe" if reference is not None else "")
-    )
-    for name, m in report["metrics"].items():
-        line = f"{name:<24}{m['mape']:>8.1%}{m['unsafe_share']:>9.1%}"
-        if reference is not None:
-            r = report["vs_reference"][name]
-            line += f"   {r['mape']:>17.1%}{r['unsafe_share']:>8.1%}"
-        print(line)
+    print_report(report)
     write_json(args.json, report)
     return 0
 
