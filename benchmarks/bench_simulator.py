@@ -1,56 +1,169 @@
-"""Simulator speed: replay the bundled agent trace through 2P4D gpt-oss-120b / H200 and report
-simulated requests/s and iterations/s, plus how cost grows with trace length and cluster size.
+"""Simulator speed: the bundled agent trace, cost against trace length and cluster size, memory for a
+million requests, and what a lease policy adds per request.
 
-    python benchmarks/bench_simulator.py            # full trace + scaling table
-    python benchmarks/bench_simulator.py --quick    # scaling table only
+    python benchmarks/bench_simulator.py                 # every series
+    python benchmarks/bench_simulator.py --series agent  # one of: agent, length, cluster, memory, policy
 
-Single process; the numbers are wall-clock seconds on whatever machine runs it (pin to one core with
-``taskset -c 0`` to measure one core).
+Single process; wall-clock seconds of the simulation alone (trace loading excluded) on whatever
+machine runs it: pin to one core with ``taskset -c 0`` to measure one core. ``memory`` runs each size
+in a fresh subprocess and reports its peak resident memory (``ru_maxrss``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import resource
+import subprocess
+import sys
 import time
 
-from envs.cluster_config import ClusterConfig
+from envs.cluster_config import ClusterConfig, parse_shape
 from envs.cost_model import CostModel
+from envs.request import Request, Trace
 from envs.simulator import Simulator
-from train.experiment import Point, prepare_trace
+from train.experiment import Point, build_scheduler, prepare_trace
+
+AGENT_RATE = 0.003
+"""Agent sessions started per second on 2P4D for the agent and length series."""
+MOONCAKE_LOAD_PER_NODE = 0.1
+"""Mooncake load factor per 6 workers: constant per-node load for the cluster series (about half of
+static 2P4D's saturation)."""
 
 
-def _run(sessions: int | None, shape: str, rate: float) -> tuple[float, int, int, int]:
-    point = Point(shape=shape, max_requests=sessions, session_rate_per_s=rate)
-    trace = prepare_trace(point)
+def _simulate(
+    trace: Trace, shape: str, *, load: float = 1.0, rate: float | None = None, policy: str = "static"
+) -> tuple[float, Simulator]:
     config = ClusterConfig.from_shape(shape)
     cost_model = CostModel(config.gpu, config.model, config.tp)
-    sim = Simulator(trace, config, cost_model=cost_model, session_rate_per_s=rate, seed=0)
+    scheduler = build_scheduler(policy, config, cost_model)
+    sim = Simulator(
+        trace, config, scheduler=scheduler, cost_model=cost_model, load_factor=load, session_rate_per_s=rate
+    )
     start = time.perf_counter()
     sim.run()
-    wall = time.perf_counter() - start
+    return time.perf_counter() - start, sim
+
+
+def _row(label: str, shape: str, n_req: int, wall: float, sim: Simulator) -> str:
     iterations = sum(w.iterations for w in sim.decode)
-    events = sim._seq
-    return wall, len(trace), iterations, events
+    return (
+        f"{label:>10} {shape:>9} {n_req:>9,} {wall:>8.2f} {1e6 * wall / n_req:>8.1f} "
+        f"{iterations / wall:>14,.0f} {sim._seq / wall:>10,.0f}"
+    )
+
+
+HEADER = "{:>10} {:>9} {:>9} {:>8} {:>8} {:>14} {:>10}".format(
+    "trace", "shape", "requests", "wall s", "us/req", "decode iters/s", "events/s"
+)
+
+
+def series_agent() -> None:
+    print("The bundled agent trace (all 449 sessions), static")
+    print(HEADER)
+    trace = prepare_trace(Point(trace="agent"))
+    wall, sim = _simulate(trace, "2P4D", rate=AGENT_RATE)
+    print(_row("agent", "2P4D", len(trace), wall, sim), flush=True)
+
+
+def series_length() -> None:
+    print("Trace length: first N agent sessions, static 2P4D")
+    print(HEADER)
+    for sessions in (50, 100, 200, 449):
+        trace = prepare_trace(Point(trace="agent", max_requests=sessions))
+        wall, sim = _simulate(trace, "2P4D", rate=AGENT_RATE)
+        print(_row(f"agent {sessions}", "2P4D", len(trace), wall, sim), flush=True)
+
+
+def series_cluster() -> None:
+    print(f"Cluster size at constant per-node load: Mooncake at load {MOONCAKE_LOAD_PER_NODE} per 6 workers")
+    print(HEADER)
+    trace = prepare_trace(Point(trace="mooncake"))
+    base = None
+    for shape in ("2P4D", "8P16D", "32P64D", "128P256D"):
+        n_p, n_d = parse_shape(shape)
+        load = MOONCAKE_LOAD_PER_NODE * (n_p + n_d) / 6
+        wall, sim = _simulate(trace, shape, load=load)
+        base = base or wall
+        print(_row("mooncake", shape, len(trace), wall, sim) + f"   x{wall / base:.2f}", flush=True)
+
+
+def million_requests(n: int) -> Trace:
+    """``n`` requests: the Mooncake trace repeated back to back (new ids, prefix links kept per copy)."""
+    base = prepare_trace(Point(trace="mooncake"))
+    span = max(r.arrival_s for r in base.requests) + 1.0
+    out: list[Request] = []
+    copy = 0
+    while len(out) < n:
+        offset, id0 = copy * span, len(out)
+        for r in base.requests:
+            if len(out) >= n:
+                break
+            parent = r.parent_id + id0 if r.parent_id >= 0 and r.parent_id + id0 < len(out) else -1
+            out.append(
+                dataclasses.replace(
+                    r,
+                    request_id=len(out),
+                    arrival_s=r.arrival_s + offset,
+                    parent_id=parent,
+                    shared_prefix_tokens=r.shared_prefix_tokens if parent >= 0 else 0,
+                )
+            )
+        copy += 1
+    return Trace(f"mooncake x{copy}", out)
+
+
+def _memory_child(n: int) -> None:
+    trace = million_requests(n)
+    wall, sim = _simulate(trace, "8P16D", load=4 * MOONCAKE_LOAD_PER_NODE)
+    sim.result()
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"requests": n, "wall_s": wall, "peak_mb": peak_mb}))
+
+
+def series_memory() -> None:
+    print("Memory: Mooncake repeated to N requests, static 8P16D, peak RSS of a fresh process")
+    print(f"{'requests':>10} {'wall s':>8} {'peak MB':>9}")
+    for n in (100_000, 1_000_000):
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", str(n)], capture_output=True, text=True, check=True
+        )
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{row['requests']:>10,} {row['wall_s']:>8.1f} {row['peak_mb']:>9,.0f}", flush=True)
+
+
+def series_policy() -> None:
+    print("Lease policy overhead per request (heuristic / static), 2P4D")
+    print(f"{'trace':>14} {'static s':>9} {'heuristic s':>12} {'ratio':>6}")
+    cases = [("mooncake 2000", Point(trace="mooncake", max_requests=2000), 0.6, None)]
+    cases.append(("agent 60", Point(trace="agent", max_requests=60), 1.0, 0.004 * 0.65))
+    for label, point, load, rate in cases:
+        trace = prepare_trace(point)
+        walls = [_simulate(trace, "2P4D", load=load, rate=rate, policy=p)[0] for p in ("static", "heuristic")]
+        print(f"{label:>14} {walls[0]:>9.2f} {walls[1]:>12.2f} {walls[1] / walls[0]:>6.2f}", flush=True)
+
+
+SERIES = {
+    "agent": series_agent,
+    "length": series_length,
+    "cluster": series_cluster,
+    "memory": series_memory,
+    "policy": series_policy,
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="skip the full-trace replay")
-    parser.add_argument("--rate", type=float, default=0.003, help="agent sessions started per second")
+    parser.add_argument("--series", choices=sorted(SERIES), action="append", help="default: all")
+    parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    header = ("sessions", "shape", "requests", "wall s", "req/s", "decode iters/s", "events/s")
-    print("{:>8} {:>6} {:>8} {:>7} {:>8} {:>14} {:>9}".format(*header))
-    cases = [(50, "2P4D"), (100, "2P4D"), (200, "2P4D"), (100, "4P8D"), (100, "8P16D")]
-    if not args.quick:
-        cases.insert(0, (None, "2P4D"))
-    for sessions, shape in cases:
-        wall, n_req, iters, events = _run(sessions, shape, args.rate)
-        label = "all" if sessions is None else str(sessions)
-        print(
-            f"{label:>8} {shape:>6} {n_req:>8} {wall:>7.2f} {n_req / wall:>8.0f} {iters / wall:>14.0f} "
-            f"{events / wall:>9.0f}",
-            flush=True,
-        )
+    if args.memory_child is not None:
+        _memory_child(args.memory_child)
+        return
+    for name in args.series or list(SERIES):
+        SERIES[name]()
+        print()
 
 
 if __name__ == "__main__":
