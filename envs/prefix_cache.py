@@ -84,14 +84,28 @@ class PrefixIndex:
 
 
 class PrefixCache:
-    """One worker's LRU prefix cache, counted in pages."""
+    """One worker's LRU prefix cache, counted in pages.
 
-    def __init__(self, index: PrefixIndex, capacity_pages: int) -> None:
+    ``holders``/``owner``: caches of one pool may share a map ``origin -> workers whose cache holds
+    that origin's run`` (``owner`` is this cache's worker), so a router finds the workers that can
+    match a request without asking every worker (``match_in_pool``).
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        capacity_pages: int,
+        *,
+        holders: dict[int, set[int]] | None = None,
+        owner: int = -1,
+    ) -> None:
         self.index = index
         self.capacity_pages = capacity_pages
         self.used_pages = 0
         self._cached_end: OrderedDict[int, int] = OrderedDict()
         self._first: dict[int, int] = {}
+        self._holders = holders
+        self._owner = owner
 
     def match_tokens(self, request_id: int, *, touch: bool = False) -> int:
         """Leading input tokens of the request already cached here."""
@@ -120,6 +134,8 @@ class PrefixCache:
                 self._cached_end[origin] = end
                 self._first[origin] = first
                 self.used_pages += end - first
+                if self._holders is not None:
+                    self._holders.setdefault(origin, set()).add(self._owner)
             elif end > cached_end:
                 self._cached_end[origin] = end
                 self.used_pages += end - cached_end
@@ -140,29 +156,47 @@ class PrefixCache:
                 break
             del self._cached_end[origin]
             self.used_pages -= end - self._first.pop(origin)
+            if self._holders is not None:
+                owners = self._holders[origin]
+                owners.discard(self._owner)
+                if not owners:
+                    del self._holders[origin]
 
 
-def match_all(caches: Sequence[PrefixCache], request_id: int) -> list[int]:
-    """``[c.match_tokens(request_id) for c in caches]`` in one walk of the request's segments (the caches
-    must share one ``PrefixIndex``): a router asks every worker of a pool for each request."""
+def pool_caches(index: PrefixIndex, n_workers: int, capacity_pages: int) -> list[PrefixCache]:
+    """One cache per worker of a pool, sharing a holders map (see ``PrefixCache``)."""
+    holders: dict[int, set[int]] = {}
+    return [PrefixCache(index, capacity_pages, holders=holders, owner=i) for i in range(n_workers)]
+
+
+def match_in_pool(caches: Sequence[PrefixCache], request_id: int) -> dict[int, int]:
+    """``{worker: c.match_tokens(request_id)}`` for the workers of a pool whose cache matches any of the
+    request's prefix (made by ``pool_caches``): only the holders of its first run are walked."""
     if not caches:
-        return []
-    index = caches[0].index
-    matched = [0] * len(caches)
-    active = list(range(len(caches)))
-    for origin, first, end in index.segments(request_id):
-        still: list[int] = []
-        for i in active:
-            cache = caches[i]
-            cached_end = cache._cached_end.get(origin)
-            if cached_end is None or cache._first[origin] > first:
-                continue
+        return {}
+    holders = caches[0]._holders
+    if holders is None:
+        raise ValueError("match_in_pool needs caches made by pool_caches")
+    segs = caches[0].index.segments(request_id)
+    if not segs:
+        return {}
+    owners = holders.get(segs[0][0])
+    if not owners:
+        return {}
+    page = caches[0].index.page_tokens
+    out: dict[int, int] = {}
+    for i in owners:
+        cache = caches[i]
+        cached_end_of, first_of = cache._cached_end, cache._first
+        matched = 0
+        for origin, first, end in segs:
+            cached_end = cached_end_of.get(origin)
+            if cached_end is None or first_of[origin] > first:
+                break
             upto = cached_end if cached_end < end else end
-            matched[i] += upto - first
-            if upto >= end:
-                still.append(i)
-        if not still:
-            break
-        active = still
-    page = index.page_tokens
-    return [m * page for m in matched]
+            matched += upto - first
+            if upto < end:
+                break
+        if matched:
+            out[i] = matched * page
+    return out

@@ -54,7 +54,7 @@ from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
 from envs.itl import to_ns
 from envs.metrics import SimResult, build_result
-from envs.prefix_cache import PrefixCache, PrefixIndex, match_all
+from envs.prefix_cache import PrefixCache, PrefixIndex, match_in_pool, pool_caches
 from envs.request import Trace
 from envs.sim_state import (
     BORROWED,
@@ -157,13 +157,9 @@ class Simulator:
         self.decode_pool = WorkerPool(config.n_decode)
         self._prefill_router = make_routing_policy(config.prefill_routing)
         self._decode_router = make_routing_policy(config.decode_routing)
-        tree_tokens = (2**26) // ROUTER_CHARS_PER_TOKEN
-        self._prefill_tree = [
-            PrefixCache(self.index, tree_tokens // config.n_prefill // page) for _ in range(config.n_prefill)
-        ]
-        self._decode_tree = [
-            PrefixCache(self.index, tree_tokens // config.n_decode // page) for _ in range(config.n_decode)
-        ]
+        tree_pages = (2**26) // ROUTER_CHARS_PER_TOKEN // page
+        self._prefill_tree = pool_caches(self.index, config.n_prefill, tree_pages // config.n_prefill)
+        self._decode_tree = pool_caches(self.index, config.n_decode, tree_pages // config.n_decode)
         self._overload = OverloadProtection() if config.router_overload_protection else None
         self._next_load_poll_s = 0.0
         self.finished = 0
@@ -348,40 +344,46 @@ class Simulator:
         rule = self._overload
         interval = rule.load_monitor_interval_s
         self._next_load_poll_s = (math.floor(self.now_s / interval) + 1) * interval
+        prefill_flags = []
         for pw in self.prefill:
             waiting = sum(1 for r in pw.queue if not r.started)
             held = sum(r.done for r in pw.queue if r.started)
             usage = held / self.cm.kv_capacity_tokens
-            self.prefill_pool.overloaded[pw.idx] = rule.is_overloaded(waiting, usage)
+            prefill_flags.append(rule.is_overloaded(waiting, usage))
+        decode_flags = []
         for w in self.decode:
             self._sync(w)
-            self.decode_pool.overloaded[w.idx] = rule.is_overloaded(
-                len(w.prealloc) + len(w.waiting) + len(w.retracted), w.kv_used / w.capacity_tokens
+            decode_flags.append(
+                rule.is_overloaded(
+                    len(w.prealloc) + len(w.waiting) + len(w.retracted), w.kv_used / w.capacity_tokens
+                )
             )
+        self.prefill_pool.set_overloaded(prefill_flags)
+        self.decode_pool.set_overloaded(decode_flags)
 
     def _pick_prefill(self, req: ReqState) -> tuple[int, int]:
         """The prefill worker the gateway picks for ``req`` and the input tokens its approximate tree
         says that worker holds (at most ``input - 1``: the last token is always computed)."""
         self._poll_loads()
         tree = self._prefill_tree
-        matches = match_all(tree, req.rid)
+        matches = match_in_pool(tree, req.rid)
         idx = self._prefill_router.choose(
             self.prefill_pool,
             req.input,
-            matches.__getitem__,
+            matches,
             self._route_rng,
             lambda i: tree[i].used_pages * self.config.page_tokens,
         )
-        return idx, min(matches[idx], req.input - 1)
+        return idx, min(matches.get(idx, 0), req.input - 1)
 
     def _pick_decode(self, req: ReqState) -> int:
         tree = self._decode_tree
         router = self._decode_router
-        matches = match_all(tree, req.rid) if router.uses_prefix_match else [0] * len(tree)
+        matches = match_in_pool(tree, req.rid) if router.uses_prefix_match else {}
         return router.choose(
             self.decode_pool,
             req.input,
-            matches.__getitem__,
+            matches,
             self._route_rng,
             lambda i: tree[i].used_pages * self.config.page_tokens,
         )

@@ -6,7 +6,7 @@ answers, i.e. through its queue, its prefill and its KV transfer; in the decode 
 moment it is dispatched, which under PD dual dispatch is the request's arrival, through prefill,
 transfer and decode) and how many it ever dispatched there (``processed``, a tie-break). A
 cache-aware rule also needs, for the request at hand, how many of its leading input tokens the
-router's approximate tree says each worker holds (``matched_tokens``) — the caller computes that
+router's approximate tree says each worker holds (``matches``) — the caller computes that
 (the simulator from its prefix index, the HTTP router from token ids) and passes it in.
 
 Rules (``make_routing_policy(name)``):
@@ -47,8 +47,9 @@ Rules are deterministic given the ``numpy`` generator the caller passes (seeded 
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,9 +75,14 @@ class OverloadProtection:
 
 
 class WorkerPool:
-    """A router's per-worker view of one pool: in-flight requests, dispatch counts, overload flags."""
+    """A router's per-worker view of one pool: in-flight requests, dispatch counts, overload flags.
 
-    __slots__ = ("load", "overloaded", "processed")
+    Indexed so a choice costs the same in a pool of 4 workers as in one of 256: the least-loaded
+    candidate comes from a heap (stale entries dropped lazily), the candidates' mean load from a
+    running sum, and the candidate list changes only when a load poll changes the overload flags.
+    """
+
+    __slots__ = ("_cand_load", "_cand_set", "_candidates", "_heap", "load", "overloaded", "processed")
 
     def __init__(self, n_workers: int) -> None:
         if n_workers < 1:
@@ -86,40 +92,85 @@ class WorkerPool:
         self.processed = [0] * n_workers
         """Requests ever dispatched to each worker."""
         self.overloaded = [False] * n_workers
-        """From the last load poll (``OverloadProtection``); overloaded workers are skipped while
-        another is not."""
-
-    def candidates(self) -> list[int]:
-        """Workers a request may go to: those not overloaded, or every worker if all are."""
-        ok = [i for i, over in enumerate(self.overloaded) if not over]
-        return ok if ok else list(range(len(self.load)))
+        """From the last load poll (``OverloadProtection``, set with ``set_overloaded``); overloaded
+        workers are skipped while another is not."""
+        self._candidates = list(range(n_workers))
+        self._cand_set = frozenset(self._candidates)
+        self._cand_load = 0
+        self._heap = [(0, 0, i) for i in range(n_workers)]
 
     def __len__(self) -> int:
         return len(self.load)
 
+    def set_overloaded(self, flags: list[bool]) -> None:
+        """The overload flags of a new load poll."""
+        if len(flags) != len(self.load):
+            raise ValueError(f"{len(flags)} overload flags for {len(self.load)} workers")
+        if flags == self.overloaded:
+            return
+        self.overloaded = list(flags)
+        ok = [i for i, over in enumerate(flags) if not over]
+        self._candidates = ok if ok else list(range(len(self.load)))
+        self._cand_set = frozenset(self._candidates)
+        self._cand_load = sum(self.load[i] for i in self._candidates)
+
+    def candidates(self) -> list[int]:
+        """Workers a request may go to: those not overloaded, or every worker if all are (ascending)."""
+        return self._candidates
+
+    def is_candidate(self, worker: int) -> bool:
+        return worker in self._cand_set
+
+    def mean_candidate_load(self) -> float:
+        return self._cand_load / len(self._candidates)
+
+    def _moved(self, worker: int, delta: int) -> None:
+        if worker in self._cand_set:
+            self._cand_load += delta
+        heapq.heappush(self._heap, (self.load[worker], self.processed[worker], worker))
+        if len(self._heap) > 4 * len(self.load) + 64:  # drop stale entries
+            self._heap = [(self.load[i], self.processed[i], i) for i in range(len(self.load))]
+            heapq.heapify(self._heap)
+
     def dispatched(self, worker: int) -> None:
         self.load[worker] += 1
         self.processed[worker] += 1
+        self._moved(worker, 1)
 
     def finished(self, worker: int) -> None:
         if self.load[worker] <= 0:
             raise ValueError(f"worker {worker} has no request in flight to finish")
         self.load[worker] -= 1
+        self._moved(worker, -1)
 
     def least_loaded(self, candidates: list[int] | None = None) -> int:
         """smg's min-load pick among ``candidates`` (default: ``candidates()``): fewest in-flight
         requests, then fewest dispatched, then lowest index."""
         load, processed = self.load, self.processed
-        pool = self.candidates() if candidates is None else candidates
-        best = pool[0]
-        for i in pool[1:]:
-            if load[i] < load[best] or (load[i] == load[best] and processed[i] < processed[best]):
-                best = i
-        return best
+        if candidates is not None:
+            best = candidates[0]
+            for i in candidates[1:]:
+                if load[i] < load[best] or (load[i] == load[best] and processed[i] < processed[best]):
+                    best = i
+            return best
+        heap, skipped = self._heap, []
+        while True:
+            entry = heap[0]
+            ld, pr, i = entry
+            if ld != load[i] or pr != processed[i]:
+                heapq.heappop(heap)  # stale
+            elif i not in self._cand_set:
+                skipped.append(heapq.heappop(heap))
+            else:
+                break
+        for kept in skipped:
+            heapq.heappush(heap, kept)
+        return i
 
 
-MatchFn = Callable[[int], int]
-"""``worker index -> leading input tokens of this request the router's tree holds for that worker``."""
+Matches = Mapping[int, int]
+"""``worker index -> leading input tokens of this request the router's tree holds for that worker``,
+for the workers holding any (absent: none)."""
 
 TreeSizeFn = Callable[[int], int]
 """``worker index -> tokens in the router's tree for that worker`` (only the legacy rule asks)."""
@@ -130,13 +181,13 @@ class RoutingPolicy(Protocol):
 
     name: str
     uses_prefix_match: bool
-    """True when ``choose`` reads ``matched`` (the caller may skip computing matches otherwise)."""
+    """True when ``choose`` reads ``matches`` (the caller may skip computing them otherwise)."""
 
     def choose(
         self,
         pool: WorkerPool,
         input_tokens: int,
-        matched: MatchFn,
+        matches: Matches,
         rng: np.random.Generator,
         tree_tokens: TreeSizeFn | None = None,
     ) -> int: ...
@@ -182,7 +233,7 @@ class CacheAware:
         self,
         pool: WorkerPool,
         input_tokens: int,
-        matched: MatchFn,
+        matches: Matches,
         rng: np.random.Generator,
         tree_tokens: TreeSizeFn | None = None,
     ) -> int:
@@ -192,18 +243,18 @@ class CacheAware:
         if len(cands) == 1:
             return cands[0]
         load = pool.load
-        matches = {i: matched(i) for i in cands}
-        best = max(matches.values())
+        held = {i: m for i, m in matches.items() if m > 0 and pool.is_candidate(i)}
+        best = max(held.values(), default=0)
         if input_tokens <= 0 or best / input_tokens <= self.config.cache_threshold:
-            return pool.least_loaded(cands)
-        tenants = [i for i in cands if matches[i] == best]
+            return pool.least_loaded()
+        tenants = sorted(i for i, m in held.items() if m == best)
         lowest = min(load[i] for i in tenants)
         holders = [i for i in tenants if load[i] == lowest]
         chosen = holders[0] if len(holders) == 1 else holders[int(rng.integers(len(holders)))]
-        mean = sum(load[i] for i in cands) / len(cands)
+        mean = pool.mean_candidate_load()
         cfg = self.config
         if load[chosen] > mean * cfg.balance_rel_threshold and load[chosen] > mean + cfg.spill_margin(mean):
-            return pool.least_loaded(cands)
+            return pool.least_loaded()
         return chosen
 
 
@@ -219,7 +270,7 @@ class SglangRouterCacheAware:
         self,
         pool: WorkerPool,
         input_tokens: int,
-        matched: MatchFn,
+        matches: Matches,
         rng: np.random.Generator,
         tree_tokens: TreeSizeFn | None = None,
     ) -> int:
@@ -230,9 +281,8 @@ class SglangRouterCacheAware:
         hi, lo = max(load), min(load)
         if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
             return pool.least_loaded(list(range(n)))
-        matches = [matched(i) for i in range(n)]
-        best = max(range(n), key=lambda i: (matches[i], -i))
-        if input_tokens > 0 and matches[best] / input_tokens > cfg.cache_threshold:
+        best = max(range(n), key=lambda i: (matches.get(i, 0), -i))
+        if input_tokens > 0 and matches.get(best, 0) / input_tokens > cfg.cache_threshold:
             return best
         if tree_tokens is None:
             raise ValueError("sglang_router_cache_aware needs the router tree's size per worker")
@@ -252,7 +302,7 @@ class RoundRobin:
         self,
         pool: WorkerPool,
         input_tokens: int,
-        matched: MatchFn,
+        matches: Matches,
         rng: np.random.Generator,
         tree_tokens: TreeSizeFn | None = None,
     ) -> int:
@@ -273,7 +323,7 @@ class LeastLoad:
         self,
         pool: WorkerPool,
         input_tokens: int,
-        matched: MatchFn,
+        matches: Matches,
         rng: np.random.Generator,
         tree_tokens: TreeSizeFn | None = None,
     ) -> int:
@@ -291,7 +341,7 @@ class PowerOfTwo:
         self,
         pool: WorkerPool,
         input_tokens: int,
-        matched: MatchFn,
+        matches: Matches,
         rng: np.random.Generator,
         tree_tokens: TreeSizeFn | None = None,
     ) -> int:

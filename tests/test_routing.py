@@ -23,9 +23,14 @@ from policies.routing import (
 
 
 def _pool(loads: list[int], processed: list[int] | None = None) -> WorkerPool:
+    """A pool whose workers had ``loads`` requests in flight after ``processed`` dispatches each."""
     pool = WorkerPool(len(loads))
-    pool.load = list(loads)
-    pool.processed = list(processed) if processed is not None else [0] * len(loads)
+    done = processed if processed is not None else loads
+    for i, (n_load, n_done) in enumerate(zip(loads, done, strict=True)):
+        for _ in range(n_done):
+            pool.dispatched(i)
+        for _ in range(n_done - n_load):
+            pool.finished(i)
     return pool
 
 
@@ -72,16 +77,16 @@ def test_cache_hit_goes_to_the_least_loaded_tenant_holding_the_longest_match() -
     rule = CacheAware()
     matches = {0: 800, 1: 800, 2: 100, 3: 0}
     # workers 0 and 1 hold the 800-token match (80 % of 1000 > 0.3); 1 is less loaded
-    assert rule.choose(_pool([5, 3, 0, 0]), 1000, matches.__getitem__, _rng()) == 1
+    assert rule.choose(_pool([5, 3, 0, 0]), 1000, matches, _rng()) == 1
     # ties among tenants are broken at random, reproducibly per seed
     tie = _pool([2, 2, 0, 0])
-    picks = {rule.choose(tie, 1000, matches.__getitem__, np.random.default_rng(s)) for s in range(20)}
+    picks = {rule.choose(tie, 1000, matches, np.random.default_rng(s)) for s in range(20)}
     assert picks == {0, 1}
 
 
 def test_cache_miss_goes_to_the_least_loaded_worker_with_smg_tie_break() -> None:
     rule = CacheAware()
-    weak = {0: 300, 1: 0, 2: 0}.__getitem__  # 300 / 1000 = 0.3 is not above the threshold
+    weak = {0: 300}  # 300 / 1000 = 0.3 is not above the threshold
     assert rule.choose(_pool([0, 2, 1]), 1000, weak, _rng()) == 0
     # equal in-flight counts: fewer requests ever dispatched wins, then the lower index
     assert rule.choose(_pool([1, 1, 1], processed=[9, 4, 4]), 1000, weak, _rng()) == 1
@@ -95,7 +100,7 @@ def test_spill_gate_needs_both_the_relative_and_the_absolute_margin() -> None:
     assert cfg.spill_margin(10_000.0) == 64.0
     assert CacheAwareConfig(balance_abs_threshold=2).spill_margin(100.0) == 2.0
     rule = CacheAware(cfg)
-    hit = {0: 900, 1: 0, 2: 0, 3: 0}.__getitem__
+    hit = {0: 900}
     # 20 > 1.5 x 5 and 20 > 5 + 4.47: spill to the least loaded
     assert rule.choose(_pool([20, 0, 0, 0]), 1000, hit, _rng()) == 1
     # 8 > 1.5 x 5 but 8 < 5 + 4.47: stay with the cache
@@ -106,10 +111,10 @@ def test_overload_protection_leaves_out_overloaded_workers_unless_all_are() -> N
     over = OverloadProtection()
     assert over.is_overloaded(8, 0.1) and over.is_overloaded(0, 0.8) and not over.is_overloaded(7, 0.79)
     pool = _pool([0, 5, 6])
-    pool.overloaded = [True, False, False]
-    hit0 = {0: 900, 1: 0, 2: 0}.__getitem__
+    pool.set_overloaded([True, False, False])
+    hit0 = {0: 900}
     assert CacheAware().choose(pool, 1000, hit0, _rng()) == 1  # the cache holder is vetoed
-    pool.overloaded = [True, True, True]
+    pool.set_overloaded([True, True, True])
     assert CacheAware().choose(pool, 1000, hit0, _rng()) == 0  # all over: every worker is a candidate
     assert pool.candidates() == [0, 1, 2]
 
@@ -117,25 +122,25 @@ def test_overload_protection_leaves_out_overloaded_workers_unless_all_are() -> N
 def test_sglang_router_0_3_2_rule_balances_globally_then_smallest_tree() -> None:
     rule = SglangRouterCacheAware()
     sizes = {0: 5000, 1: 100, 2: 700}.__getitem__
-    miss = {0: 0, 1: 0, 2: 0}.__getitem__
+    miss: dict[int, int] = {}
     assert rule.choose(_pool([0, 3, 0]), 1000, miss, _rng(), sizes) == 1  # smallest tree, not least loaded
-    hit = {0: 0, 1: 0, 2: 600}.__getitem__
+    hit = {2: 600}
     assert rule.choose(_pool([0, 3, 0]), 1000, hit, _rng(), sizes) == 2
     # imbalanced (100 - 0 > 64 and 100 > 1.5 x 0): least loaded whatever the cache says
-    assert rule.choose(_pool([100, 3, 0]), 1000, {0: 900, 1: 0, 2: 0}.__getitem__, _rng(), sizes) == 2
+    assert rule.choose(_pool([100, 3, 0]), 1000, {0: 900}, _rng(), sizes) == 2
 
 
 def test_round_robin_and_power_of_two() -> None:
     rr = RoundRobin()
     pool = _pool([0, 0, 0])
-    assert [rr.choose(pool, 10, lambda i: 0, _rng()) for _ in range(4)] == [0, 1, 2, 0]
+    assert [rr.choose(pool, 10, {}, _rng()) for _ in range(4)] == [0, 1, 2, 0]
     p2 = PowerOfTwo()
     pool = _pool([9, 0, 9, 9])
     rng = np.random.default_rng(3)
-    picks = [p2.choose(pool, 10, lambda i: 0, rng) for _ in range(200)]
+    picks = [p2.choose(pool, 10, {}, rng) for _ in range(200)]
     assert 0 in set(picks) and picks.count(1) > 80  # worker 1 wins every draw that includes it
     again = np.random.default_rng(3)
-    assert picks == [p2.choose(pool, 10, lambda i: 0, again) for _ in range(200)]
+    assert picks == [p2.choose(pool, 10, {}, again) for _ in range(200)]
 
 
 def test_registry_and_pool_counters() -> None:
@@ -150,3 +155,21 @@ def test_registry_and_pool_counters() -> None:
     assert pool.load == [0, 1] and pool.processed == [0, 2]
     with pytest.raises(ValueError, match="no request in flight"):
         pool.finished(0)
+
+
+def test_indexed_pool_agrees_with_a_scan_under_random_traffic() -> None:
+    """The heap-backed least-loaded pick equals a plain scan, with overload flags changing too."""
+    rng = np.random.default_rng(11)
+    pool = WorkerPool(9)
+    for step in range(3000):
+        i = int(rng.integers(9))
+        if pool.load[i] and rng.random() < 0.45:
+            pool.finished(i)
+        else:
+            pool.dispatched(i)
+        if step % 97 == 0:
+            pool.set_overloaded([bool(x) for x in rng.random(9) < 0.3])
+        cands = [j for j in range(9) if not pool.overloaded[j]] or list(range(9))
+        scan = min(cands, key=lambda j: (pool.load[j], pool.processed[j], j))
+        assert pool.least_loaded() == scan
+        assert pool.mean_candidate_load() == pytest.approx(sum(pool.load[j] for j in cands) / len(cands))
