@@ -16,7 +16,7 @@ first for the same reason).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from envs.request import Request
 
@@ -169,34 +169,55 @@ def pool_caches(index: PrefixIndex, n_workers: int, capacity_pages: int) -> list
     return [PrefixCache(index, capacity_pages, holders=holders, owner=i) for i in range(n_workers)]
 
 
-def match_in_pool(caches: Sequence[PrefixCache], request_id: int) -> dict[int, int]:
-    """``{worker: c.match_tokens(request_id)}`` for the workers of a pool whose cache matches any of the
-    request's prefix (made by ``pool_caches``): only the holders of its first run are walked."""
+def _walk(cache: PrefixCache, segs: Sequence[Segment]) -> tuple[int, int]:
+    """(matched pages, index of the segment the walk stopped in or ``len(segs)``)."""
+    cached_end_of, first_of = cache._cached_end, cache._first
+    matched = 0
+    for j, (origin, first, end) in enumerate(segs):
+        cached_end = cached_end_of.get(origin)
+        if cached_end is None or first_of[origin] > first:
+            return matched, j
+        upto = cached_end if cached_end < end else end
+        matched += upto - first
+        if upto < end:
+            return matched, j
+    return matched, len(segs)
+
+
+def match_in_pool(
+    caches: Sequence[PrefixCache], request_id: int, eligible: Callable[[int], bool] | None = None
+) -> dict[int, int]:
+    """``{worker: tokens}`` for the ``eligible`` workers of a pool (made by ``pool_caches``) whose cache
+    holds the longest match of the request's prefix among them — exactly the workers a cache-aware
+    router can pick on a hit.
+
+    Only the eligible holders of the deepest run any of them holds are walked: a worker without that
+    run matches at most up to where it starts, less than any holder. (A holder whose walk stops
+    earlier would break that argument; then every eligible worker is walked.)
+    """
     if not caches:
         return {}
     holders = caches[0]._holders
     if holders is None:
         raise ValueError("match_in_pool needs caches made by pool_caches")
     segs = caches[0].index.segments(request_id)
-    if not segs:
-        return {}
-    owners = holders.get(segs[0][0])
-    if not owners:
-        return {}
     page = caches[0].index.page_tokens
-    out: dict[int, int] = {}
-    for i in owners:
-        cache = caches[i]
-        cached_end_of, first_of = cache._cached_end, cache._first
-        matched = 0
-        for origin, first, end in segs:
-            cached_end = cached_end_of.get(origin)
-            if cached_end is None or first_of[origin] > first:
+    for j in range(len(segs) - 1, -1, -1):
+        owners = holders.get(segs[j][0])
+        if owners and eligible is not None:
+            owners = {i for i in owners if eligible(i)}
+        if not owners:
+            continue
+        out: dict[int, int] = {}
+        for i in owners:
+            matched, stop = _walk(caches[i], segs)
+            if stop < j:
                 break
-            upto = cached_end if cached_end < end else end
-            matched += upto - first
-            if upto < end:
-                break
-        if matched:
             out[i] = matched * page
-    return out
+        else:
+            return out
+        everyone = {
+            i: _walk(c, segs)[0] * page for i, c in enumerate(caches) if eligible is None or eligible(i)
+        }
+        return {i: m for i, m in everyone.items() if m}
+    return {}

@@ -67,7 +67,7 @@ from envs.sim_state import (
 )
 from policies.admission import LeaseTokenBucket, borrowed_chunk_tokens, prealloc_fits
 from policies.node_state import NodeState
-from policies.routing import OverloadProtection, WorkerPool, make_routing_policy
+from policies.routing import OverloadProtection, RoutingPolicy, WorkerPool, make_routing_policy
 
 # Event kinds, in tie-break priority order at equal times.
 _EV_TRANSFER, _EV_PREFILL, _EV_DECODE, _EV_BORROW, _EV_WAKE, _EV_RELEASE, _EV_TICK = range(7)
@@ -365,21 +365,31 @@ class Simulator:
         """The prefill worker the gateway picks for ``req`` and the input tokens its approximate tree
         says that worker holds (at most ``input - 1``: the last token is always computed)."""
         self._poll_loads()
-        tree = self._prefill_tree
-        matches = match_in_pool(tree, req.rid)
+        tree, pool = self._prefill_tree, self.prefill_pool
+        matches = self._pool_matches(tree, pool, self._prefill_router, req)
         idx = self._prefill_router.choose(
-            self.prefill_pool,
-            req.input,
-            matches,
-            self._route_rng,
-            lambda i: tree[i].used_pages * self.config.page_tokens,
+            pool, req.input, matches, self._route_rng, lambda i: tree[i].used_pages * self.config.page_tokens
         )
-        return idx, min(matches.get(idx, 0), req.input - 1)
+        cached = matches[idx] if idx in matches else tree[idx].match_tokens(req.rid)
+        return idx, min(cached, req.input - 1)
+
+    @staticmethod
+    def _pool_matches(
+        tree: list[PrefixCache], pool: WorkerPool, router: RoutingPolicy, req: ReqState
+    ) -> dict[int, int]:
+        """What the gateway's tree says the pool holds of ``req``'s prefix, as far as ``router`` needs:
+        the longest matches among the candidates (cache-aware), every worker's (the legacy rule,
+        which ignores overload), or nothing."""
+        if not router.uses_prefix_match:
+            return {}
+        if router.name == "sglang_router_cache_aware":
+            return {i: m for i, c in enumerate(tree) if (m := c.match_tokens(req.rid))}
+        return match_in_pool(tree, req.rid, pool.is_candidate)
 
     def _pick_decode(self, req: ReqState) -> int:
         tree = self._decode_tree
         router = self._decode_router
-        matches = match_in_pool(tree, req.rid) if router.uses_prefix_match else {}
+        matches = self._pool_matches(tree, self.decode_pool, router, req)
         return router.choose(
             self.decode_pool,
             req.input,
