@@ -47,6 +47,9 @@ class RunMetrics:
     """Requests beyond the context window that were served cut to it (``context_policy="compact"``)."""
     max_input_tokens_served: int
     """Largest prompt (after compaction) of a finished request."""
+    n_dropped_empty: int
+    """Requests of the trace file with zero input or zero output tokens, dropped when it was loaded
+    (not in ``n_requests``)."""
     duration_s: float
     input_tokens_per_s: float
     output_tokens_per_s: float
@@ -202,6 +205,7 @@ def build_result(sim: Simulator) -> SimResult:
         n_rejected_context=sim.rejected_context,
         n_compacted=compacted,
         max_input_tokens_served=int(done["input_tokens"].max()) if len(done) else 0,
+        n_dropped_empty=int(sim.trace.meta.get("dropped_empty_requests", 0)),  # type: ignore[call-overload]
         duration_s=duration,
         input_tokens_per_s=float(done["input_tokens"].sum()) / duration,
         output_tokens_per_s=float(done["output_tokens"].sum()) / duration,

@@ -18,6 +18,7 @@ import gzip
 import itertools
 import json
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -72,11 +73,51 @@ def _hash_ids_field(obj: dict[str, Any], key: str, path: str | Path, line: int) 
     return value
 
 
-def _open_text(path: str | Path) -> IO[str]:
-    """Open a text file, transparently gunzipping ``*.gz``."""
-    if str(path).endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+class _Lines:
+    """A text file read line by line that turns decoding failures into ``TraceFormatError``s naming the
+    file and the line: bytes that are not UTF-8, a ``.gz`` that is not gzip, a gzip stream cut short."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.line = 0
+        gz = self.path.name.endswith(".gz")
+        self._file: IO[bytes] = gzip.open(path, "rb") if gz else open(path, "rb")
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            raw = next(self._file)
+            text = raw.decode("utf-8")
+        except StopIteration:
+            raise
+        except UnicodeDecodeError as exc:
+            raise self._error(f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
+        except gzip.BadGzipFile:
+            raise self._error("not a gzip file, though its name ends in .gz") from None
+        except (EOFError, zlib.error) as exc:
+            raise self._error(f"the gzip stream is damaged or cut short ({exc})") from None
+        self.line += 1
+        return text
+
+    def readline(self) -> str:
+        """The next line, or ``""`` at the end (as ``TextIO.readline``)."""
+        return next(self, "")
+
+    def _error(self, problem: str) -> TraceFormatError:
+        return TraceFormatError(f"{self.path.name}:{self.line + 1}: {problem}")
+
+
+def _open_text(path: str | Path) -> _Lines:
+    """Open a text file, transparently gunzipping ``*.gz``; decoding errors name the file and line."""
+    return _Lines(path)
 
 
 def _json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:

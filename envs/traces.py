@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import gzip
 import io
 import json
@@ -184,21 +185,77 @@ def bundled_path(name: str) -> Path:
     return Path(str(resources.files("envs").joinpath("data", "traces", BUNDLED_TRACES[name])))
 
 
+def drop_empty_requests(trace: Trace) -> Trace:
+    """``trace`` without its requests of zero input or zero output tokens (nothing for a cluster to
+    serve), their count in ``meta["dropped_empty_requests"]``. References stay meaningful: a request
+    that depended on a dropped one depends on that one's dependency (the dropped think time added to
+    its own), and a prefix parent that was dropped is replaced by its nearest kept ancestor, sharing at
+    most what every link of the chain shared."""
+    from envs.arrivals import subset  # envs.arrivals reads this module's curve file name
+
+    reqs = trace.requests
+    dropped = {r.request_id for r in reqs if r.input_tokens <= 0 or r.output_tokens <= 0}
+    if not dropped:
+        return trace
+    fixed: list[Request] = []
+    for r in reqs:
+        if r.request_id in dropped:
+            fixed.append(r)
+            continue
+        dep, think = r.depends_on, r.think_time_s
+        while dep in dropped:
+            think += reqs[dep].think_time_s
+            dep = reqs[dep].depends_on
+        parent, shared = r.parent_id, r.shared_prefix_tokens
+        while parent in dropped:
+            shared = min(shared, reqs[parent].shared_prefix_tokens)
+            parent = reqs[parent].parent_id
+        if parent < 0:
+            shared = 0
+        if (dep, parent) != (r.depends_on, r.parent_id):
+            r = dataclasses.replace(
+                r, depends_on=dep, think_time_s=think, parent_id=parent, shared_prefix_tokens=shared
+            )
+        fixed.append(r)
+    kept = [r.request_id for r in reqs if r.request_id not in dropped]
+    out = subset(dataclasses.replace(trace, requests=fixed), kept, trace.name)
+    out.meta["dropped_empty_requests"] = len(dropped)
+    return out
+
+
 def load_trace(name_or_path: str | Path) -> Trace:
     """Load a bundled trace by name, a bundle file, or an original Mooncake / Azure / WEKA file.
 
     Files are recognised by content: a bundle header line, an Azure CSV header, or the keys of the
     first JSON line (``requests`` -> WEKA sessions, ``hash_ids`` + ``timestamp`` -> Mooncake).
+    Requests with zero input or output tokens are dropped (``drop_empty_requests``); a file with no
+    request left is an error naming it.
     """
     if isinstance(name_or_path, str) and name_or_path in BUNDLED_TRACES:
-        trace = load_bundle(bundled_path(name_or_path))
+        trace = drop_empty_requests(load_bundle(bundled_path(name_or_path)))
         trace.name = name_or_path
         return trace
     path = Path(name_or_path)
+    if path.is_dir():
+        raise FileNotFoundError(f"{path}: a directory, not a trace file")
+    trace = _load_file(path)
+    if not trace.requests:
+        raise TraceFormatError(f"{path.name}: empty trace (no requests)")
+    kept = drop_empty_requests(trace)
+    if not kept.requests:
+        raise TraceFormatError(
+            f"{path.name}: no request has both input and output tokens ({len(trace)} requests, all empty)"
+        )
+    return kept
+
+
+def _load_file(path: Path) -> Trace:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not a bundled trace name ({', '.join(BUNDLED_TRACES)}) nor a file")
     with _open_text(path) as f:
         first_no, first = next(((n, line) for n, line in enumerate(f, start=1) if line.strip()), (1, ""))
+    if not first.strip():
+        raise TraceFormatError(f"{path.name}: empty trace (no lines)")
     if first.startswith(BUNDLE_MAGIC):
         return load_bundle(path)
     if first.strip().startswith("TIMESTAMP"):

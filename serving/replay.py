@@ -269,6 +269,7 @@ def replay_metrics(
     time_scale: float = 1.0,
     slo_ttft_s: float = _DEFAULT_SLO.slo_ttft_s,
     slo_tpot_s: float = _DEFAULT_SLO.slo_tpot_s,
+    n_dropped_empty: int = 0,
 ) -> dict[str, float | int | None]:
     """The :class:`~envs.metrics.RunMetrics` figures of a replay, in emulated time (wall / scale).
 
@@ -307,6 +308,7 @@ def replay_metrics(
         "n_finished": len(done),
         "n_rejected": n_rejected,
         "max_input_tokens_served": max((r.input_tokens for r in done), default=0),
+        "n_dropped_empty": n_dropped_empty,
         "duration_s": duration,
         "input_tokens_per_s": sum(r.input_tokens for r in done) / duration if duration else None,
         "output_tokens_per_s": sum(r.completion_tokens for r in done) / duration if duration else None,
@@ -421,6 +423,7 @@ class Replayer:
             time_scale=self.time_scale,
             slo_ttft_s=cfg.slo_ttft_s,
             slo_tpot_s=cfg.slo_tpot_s,
+            n_dropped_empty=int(self.trace.meta.get("dropped_empty_requests", 0)),
         )
         return ReplayResult(
             self.trace.name, cfg, self.time_scale, source, info, metrics, self.records, wall_s, timed_out

@@ -284,11 +284,12 @@ def test_load_trace_detects_formats(tmp_path: Path, weka_file: Path, mooncake_fi
 
 # (name, requests, sessions, prefix-hit share quoted in the upstream README)
 BUNDLED_EXPECTED = [
-    ("agent", 30182, 449, 0.96),
+    ("agent", 30165, 449, 0.96),  # 30,182 in the file, 17 with zero output tokens dropped
     ("mooncake", 12031, 0, 0.37),
     ("mooncake-synthetic", 3993, 0, 0.65),
     ("azure-code", 8819, 0, 0.0),
 ]
+DROPPED_EMPTY = {"agent": 17}
 
 
 @pytest.mark.parametrize(("name", "n_requests", "n_sessions", "hit_share"), BUNDLED_EXPECTED)
@@ -297,6 +298,8 @@ def test_bundled_traces_load_with_expected_counts(
 ) -> None:
     trace = load_trace(name)
     assert trace.name == name and len(trace) == n_requests
+    assert trace.meta.get("dropped_empty_requests", 0) == DROPPED_EMPTY.get(name, 0)
+    assert all(r.input_tokens > 0 and r.output_tokens > 0 for r in trace.requests)
     assert len([s for s in trace.session_ids if s >= 0]) == n_sessions
     assert trace.closed_loop == (name == "agent")
     shared = sum(r.shared_prefix_tokens for r in trace.requests)

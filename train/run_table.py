@@ -60,6 +60,7 @@ def metric_rows(m: Mapping[str, Any], *, measured: bool = False) -> list[tuple[s
             fmt(("n_rejected_context", "n_rejected"), lambda c, n: f"{c} / {n - c}"),
         ),
         ("compacted to the context window", fmt(("n_compacted",), lambda n: f"{n}")),
+        ("dropped at load (0 input or output)", fmt(("n_dropped_empty",), lambda n: f"{n}")),
         ("largest prompt served", fmt(("max_input_tokens_served",), lambda n: f"{n:,} tokens")),
         (
             "lease utilisation (spent / granted)",
