@@ -249,7 +249,7 @@ def default_predictor(gpu: str = "H200", model: str = "gpt-oss-120b", tp: int = 
         have = sorted(p.name for p in DATA_DIR.iterdir() if p.is_dir()) if DATA_DIR.is_dir() else []
         raise ArtifactError(
             f"no shipped interference model for {gpu}/{model}/tp{tp} (have {have}); "
-            "fit one with `crossflow fit-interference`"
+            "fit one with `crossflow fit-interference --out DIR` and pass it with `--interference-model DIR`"
         )
     return load_predictor(folder, gpu=gpu, model=model, tp=tp, horizon_s=DEFAULT_HORIZON_S)
 

@@ -124,3 +124,54 @@ def test_json_the_project_writes_is_strict_and_group_readable(tmp_path: Path) ->
     with pytest.raises(TypeError):
         write_json(tmp_path / "x.json", {"obj": object()})
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-requests", "-5"], "argument --max-requests: expected a positive integer, got '-5'"),
+        (["--max-requests", "0"], "argument --max-requests: expected a positive integer, got '0'"),
+        (["--load", "inf"], "argument --load: expected a finite number > 0, got 'inf'"),
+        (["--load", "nan"], "argument --load: expected a finite number > 0, got 'nan'"),
+        (["--seed", "-1"], "argument --seed: expected a non-negative integer, got '-1'"),
+        (["--tp", "-1"], "--tp"),
+        (["--gpu", "H900"], "--gpu: unknown GPU 'H900'"),
+        (["--trace", "mooncake", "--rate-curve", "m-large"], "--rate-curve: applies to closed-loop"),
+        (["--trace", "mooncake", "--session-rate", "1"], "--session-rate: applies to closed-loop"),
+    ],
+)
+def test_simulate_refuses_bad_flags_naming_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train.cli import main
+
+    try:
+        code = main(["simulate", "--no-progress", "--max-requests", "2", *argv])
+    except SystemExit as exc:  # argparse's own refusal
+        code = int(exc.code or 0)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert "'H900'\"" not in err  # no stray quotes from a KeyError's text
+
+
+def test_an_unknown_name_is_reported_without_key_error_quotes(capsys: pytest.CaptureFixture[str]) -> None:
+    from train.cli import main
+
+    assert main(["simulate", "--no-progress", "--max-requests", "2", "--policy", "fastest"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("crossflow simulate: error: unknown node policy 'fastest'"), err
+
+
+def test_simulate_takes_an_interference_model_and_checks_it_matches(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from interference_model.artifact import DATA_DIR
+    from train.cli import main
+
+    shipped = str(DATA_DIR / "h200_gpt-oss-120b_tp1")
+    base = ["simulate", "--no-progress", "--trace", "mooncake", "--max-requests", "20", "--policy", "heuristic"]
+    assert main([*base, "--interference-model", shipped]) == 0
+    assert main([*base, "--gpu", "H100", "--interference-model", shipped]) == 2
+    err = capsys.readouterr().err
+    assert "field 'hardware' is 'h200', but the caller expects 'h100'" in err and "Traceback" not in err

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from train.cli_types import non_negative_int, positive_float, positive_int
 from train.jsonio import write_json
 from train.model_args import add_model_arguments, describe_deployment, model_from_args, model_options
 from train.run_table import metric_rows, node_rows
@@ -37,11 +38,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--policy", default="static", help="lease policy: static, utilisation, heuristic, rl")
     p.add_argument(
-        "--load", type=float, default=1.0, help="load factor: scales arrival (or session start) rate"
+        "--load", type=positive_float, default=1.0, help="load factor: scales arrival (or session start) rate"
     )
     p.add_argument(
         "--session-rate",
-        type=float,
+        type=positive_float,
         default=None,
         help="closed-loop traces: sessions started per second at load 1 (default: trace's own)",
     )
@@ -52,10 +53,21 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="closed-loop traces: start sessions along a ServeGen day curve (m-large, m-mid, "
         "m-small, deepseek-r1, mm-image) instead of a constant rate",
     )
-    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests/sessions")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    p.add_argument(
+        "--max-requests",
+        type=positive_int,
+        default=None,
+        help="replay only the first N requests (open-loop traces) or sessions (closed-loop)",
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of every random choice")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--interference-model",
+        default=None,
+        metavar="DIR",
+        help="interference-model artifact for heuristic/rl (default: the shipped one for --gpu/--model)",
+    )
     add_model_arguments(p)
     add_cluster_arguments(p)
     p.set_defaults(func=_run_simulate)
@@ -121,7 +133,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
         cluster_overrides=cluster_overrides(args),
         **model_options(args),
     )
-    result = run_point(point, progress=not args.no_progress)
+    predictor = None
+    if args.interference_model is not None:
+        from interference_model.artifact import load_predictor
+
+        predictor = load_predictor(
+            args.interference_model, gpu=args.gpu, model=args.model, tp=point.resolved_tp
+        )
+    result = run_point(point, progress=not args.no_progress, predictor=predictor)
     rows = metric_rows(result.metrics.to_dict()) + node_rows(result.nodes.to_dict(orient="records"))
     cfg = result.config
     deployment = describe_deployment(spec, args)
@@ -175,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"crossflow {args.command}: error: {exc}", file=sys.stderr)
+        # a KeyError's str() is its repr(): print the message, not the quotes around it
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"crossflow {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 
