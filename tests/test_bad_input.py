@@ -170,7 +170,16 @@ def test_simulate_takes_an_interference_model_and_checks_it_matches(
     from train.cli import main
 
     shipped = str(DATA_DIR / "h200_gpt-oss-120b_tp1")
-    base = ["simulate", "--no-progress", "--trace", "mooncake", "--max-requests", "20", "--policy", "heuristic"]
+    base = [
+        "simulate",
+        "--no-progress",
+        "--trace",
+        "mooncake",
+        "--max-requests",
+        "20",
+        "--policy",
+        "heuristic",
+    ]
     assert main([*base, "--interference-model", shipped]) == 0
     assert main([*base, "--gpu", "H100", "--interference-model", shipped]) == 2
     err = capsys.readouterr().err
