@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,7 +276,13 @@ def load_artifact(path: str | Path) -> tuple[MlpWeights, dict[str, Any]]:
         raise ValueError(
             f"{meta_path}: field 'features' {meta.get('features')} differs from this code's {FEATURES}"
         )
-    with np.load(npz) as data:
+    try:
+        data = np.load(npz, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"{npz}: not a readable .npz weights file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"{npz}: not a .npz archive of arrays (a single array was found)")
+    with data:
         try:
             layers = tuple((data[f"w{i}"], data[f"b{i}"]) for i in range(int(meta["n_layers"])))
             weights = MlpWeights(
@@ -283,8 +290,8 @@ def load_artifact(path: str | Path) -> tuple[MlpWeights, dict[str, Any]]:
             )
         except KeyError as exc:
             raise ValueError(f"{npz} / {meta_path}: missing field {exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"{npz}: {exc}") from None
+        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise ValueError(f"{npz}: {type(exc).__name__}: {exc}") from None
     return weights, meta
 
 

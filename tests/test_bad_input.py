@@ -184,3 +184,46 @@ def test_simulate_takes_an_interference_model_and_checks_it_matches(
     assert main([*base, "--gpu", "H100", "--interference-model", shipped]) == 2
     err = capsys.readouterr().err
     assert "field 'hardware' is 'h200', but the caller expects 'h100'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--max-batch", "0", "--out", "{tmp}/p.parquet"],
+            "argument --max-batch: expected a positive integer",
+        ),
+        (["--out", "{tmp}"], "is a directory; give a file name"),
+        (
+            ["--source", "sglang", "--url", "http://127.0.0.1:9", "--out", "{tmp}/p.parquet"],
+            "--url http://127.0.0.1:9: cannot reach the SGLang worker",
+        ),
+    ],
+)
+def test_profile_refuses_bad_flags_naming_them(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train.cli import main
+
+    try:
+        code = main(["profile", "--n-states", "3", *(a.format(tmp=tmp_path) for a in argv)])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "p.parquet").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random"])
+def test_a_damaged_rl_policy_file_is_named(damage: str, tmp_path: Path) -> None:
+    import shutil
+
+    from policies.rl_policy import DEFAULT_ARTIFACT, load_artifact
+
+    npz = tmp_path / "policy.npz"
+    shutil.copy(Path(DEFAULT_ARTIFACT).with_suffix(".json"), npz.with_suffix(".json"))
+    good = Path(DEFAULT_ARTIFACT).with_suffix(".npz").read_bytes()
+    npz.write_bytes(good[: len(good) // 2] if damage == "truncated" else np.random.default_rng(1).bytes(4000))
+    with pytest.raises(ValueError, match=r"policy\.npz"):
+        load_artifact(npz)

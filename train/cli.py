@@ -133,6 +133,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
         cluster_overrides=cluster_overrides(args),
         **model_options(args),
     )
+    from train.experiment import prepare_trace
+
+    trace = prepare_trace(point)
+    if not trace.closed_loop and (args.rate_curve is not None or args.session_rate is not None):
+        flag = "--rate-curve" if args.rate_curve is not None else "--session-rate"
+        raise ValueError(f"{flag}: applies to closed-loop (agent session) traces; {trace.name!r} is not one")
     predictor = None
     if args.interference_model is not None:
         from interference_model.artifact import load_predictor
@@ -140,7 +146,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         predictor = load_predictor(
             args.interference_model, gpu=args.gpu, model=args.model, tp=point.resolved_tp
         )
-    result = run_point(point, progress=not args.no_progress, predictor=predictor)
+    result = run_point(point, progress=not args.no_progress, predictor=predictor, trace=trace)
     rows = metric_rows(result.metrics.to_dict()) + node_rows(result.nodes.to_dict(orient="records"))
     cfg = result.config
     deployment = describe_deployment(spec, args)

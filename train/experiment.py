@@ -190,9 +190,6 @@ def run_point(
     for the policies that need one; ``max_time_s`` caps simulated time (unfinished requests stay so).
     """
     trace = trace if trace is not None else prepare_trace(point)
-    if not trace.closed_loop and (point.rate_curve is not None or point.session_rate_per_s is not None):
-        flag = "--rate-curve" if point.rate_curve is not None else "--session-rate"
-        raise ValueError(f"{flag}: applies to closed-loop (agent session) traces; {trace.name!r} is not one")
     config = point.cluster()
     cost_model = point.cost_model()
     kwargs = {"predictor": predictor} if predictor is not None and point.policy in ("heuristic", "rl") else {}

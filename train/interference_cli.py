@@ -17,6 +17,7 @@ import numpy as np
 
 from interference_model.artifact import DEFAULT_ITL_TARGET
 from interference_model.labels import DEFAULT_HORIZON_S, DEFAULT_TPOT_SLO_MS
+from train.cli_types import non_negative_int, positive_int
 from train.jsonio import write_json
 from train.model_args import add_model_arguments, model_from_args, model_options
 
@@ -61,6 +62,15 @@ def _label(args: argparse.Namespace) -> Any:
 # --- profile -------------------------------------------------------------------------------------
 
 
+def _output_file(text: str) -> str:
+    """A file path to write (not an existing directory)."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text} is a directory; give a file name such as {text}/profiles.parquet"
+        )
+    return text
+
+
 def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "profile",
@@ -77,18 +87,20 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--gpu", default="H200", help="GPU (default: H200)")
     p.add_argument("--model", default="gpt-oss-120b", help="model (default: gpt-oss-120b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
-    p.add_argument("--n-states", type=int, default=8000, help="node states to sweep (default: 8000)")
-    p.add_argument("--repeats", type=int, default=9, help="measurements per point (default: 9)")
+    p.add_argument("--n-states", type=positive_int, default=8000, help="node states to sweep (default: 8000)")
+    p.add_argument("--repeats", type=positive_int, default=9, help="measurements per point (default: 9)")
     p.add_argument(
         "--checkpoints",
         default=None,
         help="decode steps at which each state is measured again, comma-separated, from 0 "
         "(default: envs.profiler.DEFAULT_CHECKPOINT_STEPS)",
     )
-    p.add_argument("--max-batch", type=int, default=256, help="largest decode batch sampled (default: 256)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument(
+        "--max-batch", type=positive_int, default=256, help="largest decode batch sampled (default: 256)"
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default: 0)")
     p.add_argument("--no-noise", action="store_true", help="noise-free timings (the cost model's truth)")
-    p.add_argument("--out", required=True, help="Parquet file to write")
+    p.add_argument("--out", required=True, type=_output_file, help="Parquet (or .csv) file to write")
     p.add_argument("--json", default=None, help="also write a summary as JSON here")
     add_model_arguments(p)
     p.set_defaults(func=run_profile)
@@ -106,9 +118,18 @@ def run_profile(args: argparse.Namespace) -> int:
 
         if not args.url:
             raise ValueError("--source sglang needs --url (the SGLang worker's base URL)")
-        df = measure(
-            RealProfileConfig(url=args.url, hardware=args.gpu, model=args.model, tp=args.tp, seed=args.seed)
-        )
+        import httpx
+
+        try:
+            df = measure(
+                RealProfileConfig(
+                    url=args.url, hardware=args.gpu, model=args.model, tp=args.tp, seed=args.seed
+                )
+            )
+        except httpx.TransportError as exc:
+            raise ValueError(
+                f"--url {args.url}: cannot reach the SGLang worker ({type(exc).__name__}: {exc})"
+            ) from None
     else:
         from envs.cost_model import CostModel
 
