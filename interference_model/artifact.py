@@ -260,8 +260,10 @@ def log_artifact_to_wandb(
     project: str = "crossflow",
     name: str | None = None,
     wandb_dir: str | os.PathLike[str] | None = None,
+    summary: dict[str, Any] | None = None,
 ) -> bool:
     """Log an artifact folder to W&B (offline unless ``WANDB_MODE`` says otherwise); never needs a login.
+    ``summary``: figures for the run's summary (e.g. the fit's cross-validated metrics).
 
     ``wandb_dir`` is where the run's files go (default: ``WANDB_DIR`` or the current folder); it is
     passed to ``wandb.init`` because W&B otherwise keeps the first directory a process used.
@@ -288,6 +290,8 @@ def log_artifact_to_wandb(
         artifact = wandb.Artifact(art_name, type="interference-model", metadata=meta)
         artifact.add_dir(str(folder))
         run.log_artifact(artifact)
+        if summary:
+            run.summary.update(summary)
         run.finish()
     except Exception as exc:  # W&B has many failure modes (disk, network in online mode); none is fatal here
         print(f"wandb logging failed, artifact kept locally only: {exc}", file=sys.stderr)

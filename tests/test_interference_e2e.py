@@ -68,6 +68,7 @@ def test_profile_fit_eval(tmp_path: Path) -> None:
     assert (
         run(
             "fit-interference",
+            "--no-wandb",
             "--profiles",
             str(tmp_path / "train.parquet"),
             "--itl-target",
@@ -84,6 +85,7 @@ def test_profile_fit_eval(tmp_path: Path) -> None:
     assert (
         run(
             "eval-interference",
+            "--no-wandb",
             "--artifact",
             str(tmp_path / "art"),
             "--profiles",
@@ -135,6 +137,8 @@ def test_eval_refuses_profiles_of_another_setup(tmp_path: Path, capsys: pytest.C
         run("fit-interference", "--profiles", str(tmp_path / "a.parquet"), "--out", str(tmp_path / "art"))
         == 0
     )
+    # logged to W&B by default, offline, beside the artifact
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
     assert (
         run(
             "profile",
@@ -186,3 +190,21 @@ def test_wandb_logging_is_offline_and_optional(tmp_path: Path, monkeypatch: pyte
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if not installed
     assert log_artifact_to_wandb(folder) is False
+
+
+def test_a_fit_on_too_few_states_names_the_profiles_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run("profile", "--n-states", "3", "--repeats", "2", "--out", str(tmp_path / "few.parquet")) == 0
+    capsys.readouterr()
+    code = run(
+        "fit-interference",
+        "--no-wandb",
+        "--profiles",
+        str(tmp_path / "few.parquet"),
+        "--out",
+        str(tmp_path / "m"),
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "few.parquet: need at least 5 state groups" in err
+    assert not (tmp_path / "m").exists()

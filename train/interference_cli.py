@@ -229,7 +229,7 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         default="",
         help="provenance of the profiles (e.g. the profile command) to record in the metadata",
     )
-    p.add_argument("--wandb", action="store_true", help="also log the artifact to W&B (offline by default)")
+    _add_wandb_flag(p)
     p.add_argument("--json", default=None, help="write the CV metrics as JSON here")
     p.set_defaults(func=run_fit)
     return p
@@ -258,7 +258,10 @@ def run_fit(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     t0 = time.perf_counter()
-    fit = fit_interference_model(labels, label, config)
+    try:
+        fit = fit_interference_model(labels, label, config)
+    except ValueError as exc:
+        raise ValueError(f"{args.profiles}: {exc}") from None
     out = save_artifact(
         args.out,
         fit,
@@ -296,10 +299,21 @@ def run_fit(args: argparse.Namespace) -> int:
         f"{cv['mape']:.1%}, unsafe {cv['unsafe_share']:.1%}, log shifts "
         f"{min(fit.shift.log_shifts):+.3f}..{max(fit.shift.log_shifts):+.3f} -> {out}"
     )
-    if args.wandb:
-        summary["wandb_logged"] = log_artifact_to_wandb(out)
+    if not args.no_wandb:
+        summary["wandb_logged"] = log_artifact_to_wandb(
+            out, wandb_dir=Path(out).parent, summary={"cv_" + k: v for k, v in cv.items()}
+        )
     write_json(args.json, summary)
     return 0
+
+
+def _add_wandb_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-wandb",
+        action="store_true",
+        help="do not log to W&B (logged offline by default, under wandb/ beside the output; "
+        "online when you are logged in and set WANDB_MODE=online)",
+    )
 
 
 # --- eval-interference ---------------------------------------------------------------------------
@@ -318,6 +332,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     )
     p.add_argument("--artifact", required=True, help="artifact folder from fit-interference")
     p.add_argument("--profiles", required=True, help="held-out profiles (Parquet or CSV), another seed")
+    _add_wandb_flag(p)
     p.add_argument(
         "--train-profiles",
         default=None,
@@ -458,8 +473,39 @@ def run_eval(args: argparse.Namespace) -> int:
         }
     )
     print_report(report)
+    if not args.no_wandb:
+        report["wandb_logged"] = _log_eval(args, report)
     write_json(args.json, report)
     return 0
+
+
+def _log_eval(args: argparse.Namespace, report: dict[str, Any]) -> bool:
+    """One offline W&B run for an evaluation: every row's metrics, the targets, the plots as files."""
+    from train import wandb_log
+
+    summary: dict[str, Any] = {}
+    for row, metrics in report["metrics"].items():
+        for key, value in metrics.items():
+            if isinstance(value, int | float):
+                summary[f"{row}/{key}"] = value
+    for target in report["targets"]:
+        summary[f"target/{target['target'].split()[0]}"] = bool(target["met"])
+    out_dir = Path(args.json).parent if args.json else Path(args.artifact).parent
+    run = wandb_log.RunLog(
+        name=f"eval-{Path(args.artifact).name}",
+        group="eval-interference",
+        tags=["eval-interference", str(report["label"])],
+        config={
+            "artifact": str(args.artifact),
+            "profiles": str(args.profiles),
+            "label": report["label_spec"],
+        },
+        summary=summary,
+        artifact_dir=str(args.artifact),
+        job_type="eval-interference",
+        images={p.stem: str(p) for p in sorted(Path(args.plots).glob("*.png"))} if args.plots else {},
+    )
+    return bool(wandb_log.log_runs([run], wandb_dir=out_dir))
 
 
 def _check_same_setup(path: str, profiles: Any, meta: dict[str, Any]) -> None:

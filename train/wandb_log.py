@@ -67,6 +67,8 @@ class RunLog:
     artifact_dir: str | None = None
     """Interference-model artifact folder this run used (referenced in config; linked when online)."""
     job_type: str = "compare"
+    images: Mapping[str, str] = field(default_factory=dict)
+    """Plots to log as ``wandb.Image`` under these keys (PNG paths)."""
 
 
 def _link_artifact(run: Any, folder: str) -> str:
@@ -120,6 +122,8 @@ def log_runs(
                 run.config.update({"interference_model_link": _link_artifact(run, rec.artifact_dir)})
             for row in rec.history:
                 run.log(dict(row))
+            if rec.images:
+                run.log({key: wandb.Image(path) for key, path in rec.images.items()})
             run.summary.update(dict(rec.summary))
             folders.append(str(Path(run.dir).parent))
             run.finish()
