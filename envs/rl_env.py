@@ -463,3 +463,10 @@ class LeaseEnv(gym.Env[np.ndarray, np.ndarray]):
             "borrowed_prefill_tokens": float(d.borrowed_prefill_tokens),
             "fallbacks": float(d.fallbacks),
         }
+
+
+ENV_ID = "crossflow/Lease-v0"
+"""``gymnasium.make(ENV_ID, config=EnvConfig(...))`` builds a :class:`LeaseEnv` with its spec set."""
+
+if ENV_ID not in gym.registry:
+    gym.register(id=ENV_ID, entry_point="envs.rl_env:LeaseEnv")

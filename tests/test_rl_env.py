@@ -77,9 +77,20 @@ def node_state(**changes: Any) -> NodeState:
 
 
 def test_gymnasium_check_env() -> None:
+    import warnings
+
+    import gymnasium
     from gymnasium.utils.env_checker import check_env
 
-    check_env(tiny_env(), skip_render_check=True)
+    from envs.rl_env import ENV_ID
+
+    trace = session_trace(8, 5, first_input=40_000, grow=8000, output=40, think_s=0.2)
+    env = gymnasium.make(ENV_ID, config=TINY, predictor=FakePredictor(), trace=trace)
+    assert env.spec is not None and env.spec.id == ENV_ID
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(env.unwrapped, skip_render_check=True)
+    assert not [w for w in caught if "spec" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_sb3_check_env() -> None:
