@@ -329,6 +329,9 @@ class _Trainer:
             self.run = wandb.init(
                 project="crossflow",
                 job_type="train-rl",
+                group="train-rl",
+                name=f"train-rl-{self.out.name}-seed{cfg.seed}",
+                tags=["train-rl", cfg.env.trace, cfg.env.model, cfg.env.shape],
                 dir=str(self.out),
                 config={**dataclasses.asdict(cfg), "env": cfg.env.to_dict()},
                 mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
