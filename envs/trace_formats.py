@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import io
 import itertools
 import json
 import math
@@ -22,7 +23,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from envs.request import Request, Trace
 
@@ -81,7 +82,7 @@ class _Lines:
         self.path = Path(path)
         self.line = 0
         gz = self.path.name.endswith(".gz")
-        self._file: IO[bytes] = gzip.open(path, "rb") if gz else open(path, "rb")
+        self._file: gzip.GzipFile | io.BufferedReader = gzip.open(path, "rb") if gz else open(path, "rb")
 
     def __enter__(self) -> _Lines:
         return self

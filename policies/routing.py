@@ -179,9 +179,13 @@ TreeSizeFn = Callable[[int], int]
 class RoutingPolicy(Protocol):
     """Picks a worker of ``pool`` for one request."""
 
-    name: str
-    uses_prefix_match: bool
-    """True when ``choose`` reads ``matches`` (the caller may skip computing them otherwise)."""
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def uses_prefix_match(self) -> bool:
+        """True when ``choose`` reads ``matches`` (the caller may skip computing them otherwise)."""
+        ...
 
     def choose(
         self,

@@ -423,7 +423,7 @@ class Replayer:
             time_scale=self.time_scale,
             slo_ttft_s=cfg.slo_ttft_s,
             slo_tpot_s=cfg.slo_tpot_s,
-            n_dropped_empty=int(self.trace.meta.get("dropped_empty_requests", 0)),
+            n_dropped_empty=int(self.trace.meta.get("dropped_empty_requests", 0)),  # type: ignore[call-overload]
         )
         return ReplayResult(
             self.trace.name, cfg, self.time_scale, source, info, metrics, self.records, wall_s, timed_out
