@@ -33,6 +33,16 @@ class Predicts(Protocol):
     def predict(self, X: np.ndarray) -> np.ndarray: ...
 
 
+def _bin_label(edges: tuple[float, ...], k: int, unit: str) -> str:
+    """Short tick label of bin ``k``: ``4-16``, ``256+`` (``unit="k"`` writes thousands: ``1k-4k``)."""
+
+    def fmt(x: float) -> str:
+        return f"{x / 1024:g}k" if unit == "k" and x >= 1024 else f"{x:g}"
+
+    lo, hi = edges[k], edges[k + 1]
+    return f"{fmt(lo)}+" if not math.isfinite(hi) else f"{fmt(lo)}-{fmt(hi)}"
+
+
 def _region_labels(labels: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     batch = pd.cut(labels["decode_batch_size"], BATCH_EDGES, right=False)
     ctx = pd.cut(labels["context_tokens_mean"], CONTEXT_EDGES, right=False)
@@ -138,15 +148,35 @@ def write_plots(plot_dir: Path, labels: pd.DataFrame, preds: dict[str, np.ndarra
     c_order = [
         str(x) for x in pd.cut(pd.Series(CONTEXT_EDGES[:-1]), CONTEXT_EDGES, right=False).cat.categories
     ]
-    fig, axes = plt.subplots(1, len(preds), figsize=(4.2 * len(preds), 3.6), squeeze=False)
-    for ax, (name, p) in zip(axes[0], preds.items(), strict=True):
+    grids = {}
+    for name, p in preds.items():
         ape = pd.Series(np.where(y > 0, np.abs(p - y) / np.where(y > 0, y, 1), np.nan))
         grid = ape.groupby([batch, ctx]).mean().unstack().reindex(index=b_order, columns=c_order)
-        im = ax.imshow(grid.to_numpy(dtype=float) * 100, cmap="viridis", aspect="auto")
-        ax.set_xticks(range(len(c_order)), c_order, rotation=30, fontsize=7)
-        ax.set_yticks(range(len(b_order)), b_order, fontsize=7)
-        ax.set(xlabel="mean context tokens", ylabel="decode batch", title=f"{name}: MAPE %")
-        fig.colorbar(im, ax=ax)
+        grids[name] = grid.to_numpy(dtype=float) * 100
+    finite = np.concatenate([g[np.isfinite(g)] for g in grids.values()] or [np.zeros(0)])
+    # One logarithmic colour scale for every panel: MAPE spans 1 % to hundreds of percent.
+    norm = matplotlib.colors.LogNorm(
+        vmin=max(0.1, float(finite.min()) if len(finite) else 0.1),
+        vmax=max(1.0, float(finite.max()) if len(finite) else 1.0),
+    )
+    fig, axes = plt.subplots(
+        1, len(preds), figsize=(3.6 * len(preds) + 1.2, 3.8), squeeze=False, constrained_layout=True
+    )
+    im = None
+    for ax, (name, grid) in zip(axes[0], grids.items(), strict=True):
+        im = ax.imshow(grid, cmap="viridis", norm=norm, aspect="auto")
+        for (i, j), value in np.ndenumerate(grid):
+            if np.isfinite(value):
+                shade = "black" if norm(value) > 0.6 else "white"  # readable on viridis' light end
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=6, color=shade)
+        ax.set_xticks(range(len(c_order)), [_bin_label(CONTEXT_EDGES, k, "k") for k in range(len(c_order))])
+        ax.set_yticks(range(len(b_order)), [_bin_label(BATCH_EDGES, k, "") for k in range(len(b_order))])
+        ax.tick_params(labelsize=7)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("mean context tokens", fontsize=7)
+    axes[0][0].set_ylabel("decode batch", fontsize=7)
+    if im is not None:
+        fig.colorbar(im, ax=list(axes[0]), label="MAPE % (one scale for all panels)", shrink=0.9)
     error_by_region = plot_dir / "error_by_region.png"
     fig.savefig(error_by_region, dpi=110, bbox_inches="tight")
     plt.close(fig)
