@@ -79,8 +79,8 @@ class LeaseBudgets:
 
     @classmethod
     def zero(cls) -> LeaseBudgets:
-        """All budgets zero: "no lease"."""
-        return cls()
+        """All budgets zero: "no lease" (one shared instance: budgets are immutable)."""
+        return _ZERO if cls is LeaseBudgets else cls()
 
     @classmethod
     def from_dict(cls, values: Mapping[str, int], *, source: str = "budgets") -> LeaseBudgets:
@@ -99,10 +99,16 @@ class LeaseBudgets:
     @staticmethod
     def total(items: Iterable[LeaseBudgets]) -> LeaseBudgets:
         """Element-wise sum (zero for an empty iterable)."""
-        acc = LeaseBudgets.zero()
+        p = k = t = d = n = 0
+        count = 0
         for item in items:
-            acc = acc + item
-        return acc
+            p += item.prefill_tokens
+            k += item.kv_tokens
+            t += item.transfer_tokens
+            d += item.decode_tokens
+            n += item.tasks
+            count += 1
+        return LeaseBudgets(p, k, t, d, n) if count else _ZERO
 
     def to_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in BUDGET_FIELDS}
@@ -146,6 +152,9 @@ class LeaseBudgets:
     def minimum(self, other: LeaseBudgets) -> LeaseBudgets:
         """Element-wise minimum."""
         return LeaseBudgets(*(min(a, b) for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+
+_ZERO = LeaseBudgets()
 
 
 @dataclass(frozen=True, slots=True)

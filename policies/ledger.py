@@ -65,6 +65,8 @@ class LeaseLedger:
         self._lock = threading.RLock()
         self._leases: dict[int, Lease] = {}
         self._active: dict[int, _Entry] = {}
+        self._by_node: dict[int, dict[int, _Entry]] = {}
+        """The active entries of each node, in reservation-id order (ids only grow)."""
         # Terminal states are kept so a late commit/arrival on a revoked id answers False, not KeyError.
         self._closed: dict[int, ReservationStatus] = {}
         self._next_id = 1
@@ -156,7 +158,9 @@ class LeaseLedger:
                 return None
             res = Reservation(self._next_id, node_id, lease.epoch, demand, now_s)
             self._next_id += 1
-            self._active[res.reservation_id] = _Entry(res, demand)
+            entry = _Entry(res, demand)
+            self._active[res.reservation_id] = entry
+            self._by_node.setdefault(node_id, {})[res.reservation_id] = entry
             return res
 
     def commit(self, reservation_id: int, now_s: float) -> bool:
@@ -243,8 +247,8 @@ class LeaseLedger:
         with self._lock:
             return LeaseBudgets.total(
                 e.held
-                for e in self._active.values()
-                if e.reservation.node_id == node_id and (committed is None or e.committed == committed)
+                for e in self._by_node.get(node_id, {}).values()
+                if committed is None or e.committed == committed
             )
 
     def available(self, node_id: int, now_s: float) -> LeaseBudgets:
@@ -258,9 +262,7 @@ class LeaseLedger:
     def pending_ids(self, node_id: int) -> list[int]:
         """Active, un-committed reservation ids on ``node_id`` in id order."""
         with self._lock:
-            return sorted(
-                rid for rid, e in self._active.items() if e.reservation.node_id == node_id and not e.committed
-            )
+            return [rid for rid, e in self._by_node.get(node_id, {}).items() if not e.committed]
 
     def active_ids(self, node_id: int | None = None) -> list[int]:
         """Active reservation ids (committed or not), optionally for one node, in id order."""
@@ -292,7 +294,8 @@ class LeaseLedger:
                 self._close(rid, "revoked")
 
     def _close(self, reservation_id: int, status: ReservationStatus) -> None:
-        del self._active[reservation_id]
+        entry = self._active.pop(reservation_id)
+        del self._by_node[entry.reservation.node_id][reservation_id]
         self._closed[reservation_id] = status
 
 
