@@ -428,3 +428,38 @@ def test_lease_metrics_on_the_workers_registry(installed: sg.HookRegistry) -> No
     assert samples[("crossflow:local_prefill_events", (("event", "admitted"), *node))] == 1
     assert samples[("crossflow:local_prefill_tokens", (("kind", "computed"), *node))] == 300
     assert samples[("crossflow:local_prefill_started_requests", node)] == 1
+
+
+def test_a_client_abort_of_a_chunked_borrowed_prompt_frees_everything(installed: sg.HookRegistry) -> None:
+    scheduler, cluster = _worker(kv_tokens=20_000, chunked_prefill_size=256)
+    _lease(scheduler, ttl_s=100.0)
+    prompt = _req("b1", 3_000, 5, borrowed=True)
+    cluster.run(3, [(0, _req("p1", 200, 100, borrowed=False)), (0, prompt)])
+    assert scheduler.chunked_req is prompt
+    scheduler.abort_request(sg.AbortReq(rid="b1"))  # SGLang marks it; the next selection aborts it
+    cluster.run(2)
+    assert prompt.finished() and prompt.output_ids == [] and prompt.kv_tokens == 0
+    assert scheduler.chunked_req is None and _node(scheduler).admission.held().is_zero()
+    cluster.run(200)
+    assert scheduler.allocator.used == 0, "the PD request finished and nothing leaked"
+
+
+def test_tensor_parallel_ranks_decide_alike_whatever_their_local_clocks() -> None:
+    """Every decision reads the clock agreed over the attention TP group (``agree_min_ns``); two ranks
+    whose own clocks disagree by seconds build the same batches."""
+    runs = []
+    for skew_ns in (0, 7_000_000_000):
+        with _registry().installed():
+            scheduler, cluster = _worker(kv_tokens=20_000, chunked_prefill_size=512)
+            api = SGLangApi(
+                prepare_abort=sg.prepare_abort,
+                finish_abort=sg.FINISH_ABORT,
+                agree_min_ns=lambda _scheduler, ns, skew=skew_ns: ns - skew,  # the group's minimum
+                monotonic_ns=lambda c=cluster, skew=skew_ns: c.monotonic_ns() + skew,
+            )
+            hooks.configure(api, PluginConfig(node_id=3), sg.SetInternalStateReqOutput)
+            _lease(scheduler, ttl_s=2.0)
+            reqs = [_req("b1", 1_500, 20, borrowed=True), _req("p1", 300, 30, borrowed=False)]
+            cluster.run(100, [(0, reqs[0]), (2, reqs[1])])
+            runs.append((cluster.extend_tokens, [len(r.output_ids) for r in reqs]))
+    assert runs[0] == runs[1] and runs[0][0]

@@ -89,9 +89,7 @@ def kv_budget(
 ) -> int:
     """AFTER ``DecodePreallocQueue._allocatable_token_budgets``: SGLang's budget minus the KV held out
     for borrowed work (not when resuming retracted requests)."""
-    if not count_retracted:
-        return result
-    return result - _node(prealloc.scheduler).held_out_kv_tokens()
+    return _held_out(result, prealloc, count_retracted)
 
 
 def swa_kv_budget(
@@ -106,9 +104,14 @@ def swa_kv_budget(
 ) -> int:
     """AFTER ``DecodePreallocQueue._swa_tail_allocatable_token_budget``: the same subtraction for the
     sliding-window pool (conservative: a borrowed prompt's sliding-window KV is at most its length)."""
-    if not count_retracted:
+    return _held_out(result, prealloc, count_retracted)
+
+
+def _held_out(result: int, prealloc: Any, count_retracted: bool) -> int:
+    node = prealloc.scheduler.__dict__.get(NODE_ATTRIBUTE)  # none yet: nothing borrowed
+    if not count_retracted or node is None:
         return result
-    return result - _node(prealloc.scheduler).held_out_kv_tokens()
+    return result - node.held_out_kv_tokens()
 
 
 def abort_request(original: Callable[..., Any], scheduler: Any, recv_req: Any) -> Any:

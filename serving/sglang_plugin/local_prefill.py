@@ -387,19 +387,35 @@ class LocalPrefill:
 
     def _run_extend(self, running_batch: Any, chunk_tokens: int, candidates: list[Any], now_s: float) -> Any:
         """Build the local EXTEND batch with SGLang's ``get_new_batch_prefill`` over ``candidates`` (and
-        the local chunked request), at most ``chunk_tokens`` computed; None when SGLang built nothing."""
+        the local chunked request), at most ``chunk_tokens`` computed; None when SGLang built nothing.
+
+        For the call, ``waiting_queue`` is the candidates, the prefill budgets are the chunk (plus one
+        token per running request with ``--enable-mixed-chunk``: SGLang's adder takes those from both),
+        and priority preemption is off (borrowed work never preempts a decode)."""
         scheduler = self.scheduler
-        saved = (scheduler.waiting_queue, scheduler.chunked_prefill_size, scheduler.max_prefill_tokens)
         running_batch.filter_batch()
         running_batch.batch_is_full = False
+        budget = chunk_tokens + (len(running_batch.reqs) if scheduler.is_mixed_chunk else 0)
+        saved = (
+            scheduler.waiting_queue,
+            scheduler.chunked_prefill_size,
+            scheduler.max_prefill_tokens,
+            scheduler.enable_priority_preemption,
+        )
         scheduler.waiting_queue = list(candidates)
-        scheduler.chunked_prefill_size = chunk_tokens
-        scheduler.max_prefill_tokens = chunk_tokens
+        scheduler.chunked_prefill_size = budget
+        scheduler.max_prefill_tokens = budget
+        scheduler.enable_priority_preemption = False
         try:
             plan = scheduler.get_new_batch_prefill(running_batch)
             left = scheduler.waiting_queue
         finally:
-            scheduler.waiting_queue, scheduler.chunked_prefill_size, scheduler.max_prefill_tokens = saved
+            (
+                scheduler.waiting_queue,
+                scheduler.chunked_prefill_size,
+                scheduler.max_prefill_tokens,
+                scheduler.enable_priority_preemption,
+            ) = saved
         batch = plan.batch_to_run
         taken = [req for req in candidates if req not in left]
         if batch is None:

@@ -385,6 +385,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.max_total_num_tokens = kv_tokens
         self.is_mixed_chunk = is_mixed_chunk
+        self.enable_priority_preemption = False
         self.waiting_queue: list[Req] = []
         self.running_batch = ScheduleBatch()
         self.last_batch: ScheduleBatch | None = None
@@ -435,7 +436,10 @@ class Scheduler:
 
     # ---- SGLang's prefill machinery
     def get_new_batch_prefill(self, running_batch: ScheduleBatch) -> NextBatchPlan:
+        assert not self.enable_priority_preemption, "the look-alike does not preempt"
         budget = min(self.chunked_prefill_size or self.max_prefill_tokens, self.max_prefill_tokens)
+        if self.is_mixed_chunk:
+            budget -= running_batch.batch_size()  # the mixed decode tokens (PrefillAdder's rem_*)
         can_run: list[Req] = []
         if self.chunked_req is not None:
             req = self.chunked_req
