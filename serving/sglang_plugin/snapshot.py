@@ -25,7 +25,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -151,6 +151,8 @@ class _Source:
     root: Path
     prefix: str = ""
     zip_names: frozenset[str] | None = None
+    _texts: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Files read so far (a wheel's central directory is read once, not once per file)."""
 
     @classmethod
     def open(cls, path: str | Path) -> _Source:
@@ -163,16 +165,23 @@ class _Source:
                 return cls(p, prefix)
         raise FileNotFoundError(f"{p}: not an SGLang wheel nor a directory holding {SCHEDULER}")
 
-    def read(self, rel: str) -> str:
+    def exists(self, rel: str) -> bool:
         if self.zip_names is not None:
-            if rel not in self.zip_names:
-                raise FileNotFoundError(f"{self.root}: no {rel} in the wheel")
-            with zipfile.ZipFile(self.root) as z:
-                return z.read(rel).decode("utf-8")
-        path = self.root / self.prefix / rel
-        if not path.is_file():
-            raise FileNotFoundError(f"{self.root}: no {rel}")
-        return path.read_text("utf-8")
+            return rel in self.zip_names
+        return (self.root / self.prefix / rel).is_file()
+
+    def read(self, rel: str) -> str:
+        if rel in self._texts:
+            return self._texts[rel]
+        if not self.exists(rel):
+            raise FileNotFoundError(f"{self.root}: no {rel}" + (" in the wheel" if self.zip_names else ""))
+        if self.zip_names is not None:
+            wanted = {rel, *(n for n in self.zip_names if n.endswith(".py") and n not in self._texts)}
+            with zipfile.ZipFile(self.root) as z:  # every Python file at once: one directory read
+                self._texts.update((n, z.read(n).decode("utf-8")) for n in wanted)
+        else:
+            self._texts[rel] = (self.root / self.prefix / rel).read_text("utf-8")
+        return self._texts[rel]
 
     def list_py(self, folder: str) -> list[str]:
         if self.zip_names is not None:
@@ -421,13 +430,7 @@ def _callers_of(tree: ast.Module, rel: str, func_name: str) -> list[str]:
 def _module_file(src: _Source, module: str) -> str | None:
     """``a.b.c`` -> ``a/b/c.py`` or ``a/b/c/__init__.py``, whichever the source has (else None)."""
     base = module.replace(".", "/")
-    for rel in (f"{base}.py", f"{base}/__init__.py"):
-        try:
-            src.read(rel)
-        except FileNotFoundError:
-            continue
-        return rel
-    return None
+    return next((rel for rel in (f"{base}.py", f"{base}/__init__.py") if src.exists(rel)), None)
 
 
 def _imported_names(tree: ast.Module) -> dict[str, tuple[str, str]]:
