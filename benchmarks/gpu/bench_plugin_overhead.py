@@ -34,7 +34,9 @@ def _node(running: int, borrowed: int) -> tuple[LocalPrefill, sg.Scheduler]:
         req = sg.Req(f"r{i}", list(range(2_000)), sg.SamplingParams(max_new_tokens=500))
         req.output_ids = [7] * 100
         scheduler.running_batch.reqs.append(req)
-    lease = LeaseBudgets(prefill_tokens=10**9, kv_tokens=10**9, transfer_tokens=0, decode_tokens=10**9, tasks=64)
+    lease = LeaseBudgets(
+        prefill_tokens=10**9, kv_tokens=10**9, transfer_tokens=0, decode_tokens=10**9, tasks=64
+    )
     node.install_lease(lease, 3600.0)
     for i in range(borrowed):
         req = sg.Req(f"b{i}", list(range(1_000)), sg.SamplingParams(max_new_tokens=100))
