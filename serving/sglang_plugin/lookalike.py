@@ -300,12 +300,7 @@ class DecodePreallocQueue:
         reserved_tokens: int | None = None,
         hicache_reserved_tokens: int = 0,
     ) -> int:
-        if reserved_tokens is None:
-            reserved_tokens = self.num_reserved_decode_tokens * self._active_req_count(extra_reserved_reqs)
-        budget = self.token_to_kv_pool_allocator.available_size() - reserved_tokens
-        if count_retracted:
-            budget -= sum(self._resume_tokens(r) for r in self.retracted_queue)
-        return budget - hicache_reserved_tokens
+        return self._budget(count_retracted, extra_reserved_reqs, reserved_tokens) - hicache_reserved_tokens
 
     def _swa_tail_allocatable_token_budget(
         self,
@@ -316,7 +311,12 @@ class DecodePreallocQueue:
         reserved_tokens: int | None = None,
         extra_reserved_reqs: int = 0,
     ) -> int:
-        # computed on its own as 0.5.23's is (not through the full-attention budget)
+        # computed on its own as 0.5.23's is (not through the hooked full-attention budget)
+        return self._budget(count_retracted, extra_reserved_reqs, reserved_tokens)
+
+    def _budget(self, count_retracted: bool, extra_reserved_reqs: int, reserved_tokens: int | None) -> int:
+        """Free KV less ``num_reserved_decode_tokens`` per active request and, unless resuming, what
+        the retracted requests need (one pool: the look-alike has no sliding window)."""
         if reserved_tokens is None:
             reserved_tokens = self.num_reserved_decode_tokens * self._active_req_count(extra_reserved_reqs)
         budget = self.token_to_kv_pool_allocator.available_size() - reserved_tokens
