@@ -427,7 +427,8 @@ def test_lease_metrics_on_the_workers_registry(installed: sg.HookRegistry) -> No
     assert samples[("crossflow:lease_rate_tokens_per_s", node)] == pytest.approx(20_000.0)
     assert samples[("crossflow:local_prefill_events", (("event", "admitted"), *node))] == 1
     assert samples[("crossflow:local_prefill_tokens", (("kind", "computed"), *node))] == 300
-    assert samples[("crossflow:local_prefill_started_requests", node)] == 1
+    assert samples[("crossflow:local_prefill_events", (("event", "finished"), *node))] == 1
+    assert samples[("crossflow:local_prefill_started_requests", node)] == 0, "refreshed after it finished"
 
 
 def test_a_client_abort_of_a_chunked_borrowed_prompt_frees_everything(installed: sg.HookRegistry) -> None:

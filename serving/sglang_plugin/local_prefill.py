@@ -196,10 +196,8 @@ class LocalPrefill:
             revoked = self.admission.revoke(now_s)
         else:
             revoked = self.admission.install_lease(budgets, ttl_s, now_s)
-        self._count("leases")
+        self._count("leases")  # the gauges follow at the next iteration
         self._drop_lapsed(now_s)
-        if self.metrics is not None:
-            self.metrics.lease(self, now_s)
         return revoked
 
     def _drop_lapsed(self, now_s: float) -> None:
@@ -221,10 +219,24 @@ class LocalPrefill:
     # ------------------------------------------------------------------ batch selection
     def select(self, original: Callable[..., Any], running_batch: Any) -> Any:
         """``get_next_disagg_decode_batch_to_run``: a local EXTEND batch, or SGLang's decode step."""
-        scheduler = self.scheduler
-        self._steps.record(self.api.monotonic_ns(), self._last_step_kind())
+        local_ns = self.api.monotonic_ns()
+        self._steps.record(local_ns, self._last_step_kind())
+        if self.metrics is not None:  # gauges, on one rank: the local clock is good enough
+            self.metrics.update(self, local_ns * 1e-9, local_ns)
         if self.disabled or not self._busy():
-            return original(scheduler, running_batch)
+            return original(self.scheduler, running_batch)
+        plan = None
+        if self.queue or self.batch is not None or self._local_chunked() is not None:
+            plan, running_batch = self._decide(running_batch)
+        else:
+            self._release_finished()  # only started requests, decoding: nothing to decide
+        return plan if plan is not None else self._sglang_decode_step(original, running_batch)
+
+    def _decide(self, running_batch: Any) -> tuple[Any, Any]:
+        """``(plan, running batch)`` for this iteration when borrowed work is queued or in flight (see
+        the module docstring); a None plan: SGLang's decode step, on the running batch returned (the
+        last local EXTEND batch merged into it)."""
+        scheduler = self.scheduler
         now_s = self._now_s()
         self._drop_lapsed(now_s)
         self._abort_stalled_chunk(now_s)
@@ -234,12 +246,9 @@ class LocalPrefill:
         running_batch = self._merge_returned_batch(running_batch)
         self._release_finished()
         chunk_tokens, candidates = self._plan(running_batch, now_s)
-        plan = None
         if chunk_tokens > 0:
-            plan = self._run_extend(running_batch, chunk_tokens, candidates, now_s)
-        if self.metrics is not None:
-            self.metrics.update(self, now_s, self.api.monotonic_ns())
-        return plan if plan is not None else self._sglang_decode_step(original, running_batch)
+            return self._run_extend(running_batch, chunk_tokens, candidates, now_s), running_batch
+        return None, running_batch
 
     def _last_step_kind(self) -> str | None:
         """What the iteration that just ended ran: ``decode``, ``mixed`` (an EXTEND batch that also

@@ -65,6 +65,7 @@ class PluginMetrics:
             labelnames=[*labels, "kind"],
         )
         self._last_update_ns: int | None = None
+        self._dirty = True
 
     @classmethod
     def create(cls, node_id: int) -> PluginMetrics:
@@ -75,22 +76,20 @@ class PluginMetrics:
         return cls(node_id, Gauge, Counter)
 
     def count(self, name: str, n: int = 1) -> None:
+        self._dirty = True  # something changed: the next update refreshes the gauges at once
         if name in TOKEN_COUNTERS:
             kind = "computed" if name == "local_prefill_tokens" else "overspent"
             self.tokens.labels(**self._labels, kind=kind).inc(n)
         else:
             self.events.labels(**self._labels, event=name).inc(n)
 
-    def lease(self, node: Any, now_s: float) -> None:
-        """Refresh every gauge now (a lease was installed)."""
-        self._last_update_ns = None
-        self.update(node, now_s, int(now_s * 1e9))
-
     def update(self, node: Any, now_s: float, now_ns: int) -> None:
-        """Refresh the gauges from ``node`` (a ``LocalPrefill``) unless done in the last 0.1 s."""
-        if self._last_update_ns is not None and now_ns - self._last_update_ns < _MIN_UPDATE_NS:
+        """Refresh the gauges from ``node`` (a ``LocalPrefill``): at once after an event, otherwise
+        at most every 0.1 s (for the lease's time to expiry)."""
+        recent = self._last_update_ns is not None and now_ns - self._last_update_ns < _MIN_UPDATE_NS
+        if recent and not self._dirty:
             return
-        self._last_update_ns = now_ns
+        self._last_update_ns, self._dirty = now_ns, False
         admission = node.admission
         lease = admission.lease()
         budgets = lease.budgets.to_dict() if lease is not None else dict.fromkeys(BUDGET_FIELDS, 0)
