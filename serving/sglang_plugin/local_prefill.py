@@ -426,13 +426,15 @@ class LocalPrefill:
                 scheduler.enable_priority_preemption,
             ) = saved
         batch = plan.batch_to_run
-        taken = [req for req in candidates if req not in left]
+        left_ids = {id(req) for req in left}
+        taken = [req for req in candidates if id(req) not in left_ids]
         if batch is None:
             assert not taken, "SGLang built no batch but took queued requests"
             return None
         for req in taken:
             rid = self.reservations.pop(req.rid)
-            assert self.admission.start(rid, now_s), "a pending reservation failed to commit"
+            committed = self.admission.start(rid, now_s)  # pending at this same instant: it commits
+            assert committed, f"reservation {rid} was pending but did not commit"
             self.started[req.rid] = _Started(req, rid)
             self._count("started")
         taken_ids = {id(req) for req in taken}
