@@ -14,12 +14,24 @@ binds identically everywhere.
   _allocatable_token_budgets`` in 0.5.23's ``sglang/srt/disaggregation/decode.py``): a request may
   take KV only if what is left after ``num_reserved_decode_tokens`` for every active request and
   the KV that lease reservations still hold covers its own tokens plus its reservation.
+* ``borrowed_demand``: what one borrowed request holds on its node's lease (the five budgets).
+* ``borrowed_start_blocked``: decode first: why a borrowed prefill that has not started must wait.
+* ``LocalPrefillAdmission``: a lending node's own view of its lease (a one-node ``LeaseLedger`` and
+  the ``LeaseTokenBucket``), for a node that re-checks borrowed work itself (the SGLang worker
+  plugin): ``try_admit(...) -> AdmitOutcome`` reserves a request's demand or says which budget fell
+  short, and the request's life cycle (start, prefill done, finish, cancel) returns the budgets as the
+  cluster scheduler does.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
+
+from policies.lease import BUDGET_FIELDS, Lease, LeaseBudgets
+from policies.ledger import LeaseLedger
+from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
 _CREDIT_TOLERANCE = 1e-6
 """Credit within this many tokens of a whole number counts as that number (float accrual error)."""
@@ -121,4 +133,236 @@ def prealloc_fits(
     return allocatable >= need_tokens + reserved_decode_tokens
 
 
-__all__ = ["LeaseTokenBucket", "borrowed_chunk_tokens", "prealloc_fits"]
+def borrowed_demand(
+    input_tokens: int, expected_output_tokens: int, *, cached_tokens: int = 0, pull_tokens: int = 0
+) -> LeaseBudgets:
+    """What a borrowed request holds on its node's lease: the prompt tokens it computes (at least one:
+    the last prompt token is always computed), the KV of its input and expected output, the prefix it
+    pulls from a prefill worker, its expected decode work and one task slot.
+
+    ``cached_tokens``: prompt tokens already in the node's cache; ``pull_tokens``: prompt tokens pulled
+    from a prefill worker's cache instead of computed. Raises ``ValueError`` for negative counts or
+    when cached and pulled tokens exceed the prompt.
+    """
+    if min(input_tokens, expected_output_tokens, cached_tokens, pull_tokens) < 0:
+        raise ValueError(
+            f"borrowed_demand: token counts must be >= 0 (input {input_tokens}, output "
+            f"{expected_output_tokens}, cached {cached_tokens}, pull {pull_tokens})"
+        )
+    if cached_tokens + pull_tokens > input_tokens:
+        raise ValueError(
+            f"borrowed_demand: cached ({cached_tokens}) + pulled ({pull_tokens}) tokens exceed the "
+            f"prompt ({input_tokens})"
+        )
+    return LeaseBudgets(
+        prefill_tokens=max(1, input_tokens - cached_tokens - pull_tokens),
+        kv_tokens=input_tokens + expected_output_tokens,
+        transfer_tokens=pull_tokens,
+        decode_tokens=expected_output_tokens,
+        tasks=1,
+    )
+
+
+def borrowed_start_blocked(
+    *, waiting_to_join: int, waiting_for_kv: int, retracted: int, running: int, max_running: int
+) -> str | None:
+    """Decode first: why a borrowed prefill that has not started must wait now, or ``None``.
+
+    A node starts no borrowed work while decode requests wait: requests whose KV arrived and have not
+    joined the batch (``waiting_to_join``), requests waiting for KV pre-allocation
+    (``waiting_for_kv``), retracted requests waiting to resume, or a full running batch. Started
+    borrowed work is not affected (it holds its KV already).
+    """
+    if retracted > 0:
+        return f"{retracted} retracted decode request(s) wait to resume"
+    if waiting_to_join > 0:
+        return f"{waiting_to_join} decode request(s) with their KV wait to join the batch"
+    if waiting_for_kv > 0:
+        return f"{waiting_for_kv} decode request(s) wait for KV pre-allocation"
+    if running >= max_running:
+        return f"the running batch is full ({running} of {max_running})"
+    return None
+
+
+def min_borrowed_chunk_tokens(bucket: LeaseTokenBucket, page_tokens: int) -> int:
+    """The smallest borrowed chunk worth an iteration: a page, or all the credit the bucket can hold."""
+    return max(1, min(page_tokens, int(bucket.rate_tokens_per_s * bucket.burst_s)))
+
+
+class AdmitResult(Enum):
+    """Why ``LocalPrefillAdmission.try_admit`` took or refused a borrowed request."""
+
+    ADMITTED = "admitted"
+    NO_LEASE = "no_lease"
+    """The node has no lease, it is zero, or it has expired."""
+    NO_ROOM = "no_room"
+    """The live lease cannot hold the request beside what is already held (see ``short``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitOutcome:
+    """The answer to one borrowed request: a reservation, or the reason and the budgets that fell short."""
+
+    result: AdmitResult
+    demand: LeaseBudgets
+    reservation_id: int | None = None
+    short: tuple[str, ...] = ()
+    """Budget names (``BUDGET_FIELDS`` order) on which the demand exceeds what is available."""
+    available: LeaseBudgets = field(default_factory=LeaseBudgets.zero)
+    """What the lease had left when the request was refused (zero when admitted)."""
+
+    @property
+    def admitted(self) -> bool:
+        return self.result is AdmitResult.ADMITTED
+
+    def reason(self) -> str:
+        """One line saying why (for logs and the abort message a router sees)."""
+        if self.result is AdmitResult.ADMITTED:
+            return f"admitted as reservation {self.reservation_id}"
+        if self.result is AdmitResult.NO_LEASE:
+            return "no live lease on this node"
+        need, have = self.demand.to_dict(), self.available.to_dict()
+        parts = ", ".join(f"{name} {need[name]} > {have[name]} left" for name in self.short)
+        return f"the lease cannot hold it ({parts})"
+
+
+@dataclass
+class LocalPrefillAdmission:
+    """A lending node's own view of its lease: admits borrowed requests and paces their prefill.
+
+    The node installs each lease it is given (``install_lease``: a new epoch; un-started reservations
+    that no longer fit are revoked, started ones keep counting, as in ``LeaseLedger.publish``) and asks
+    ``try_admit`` for every borrowed request, which reserves the request's whole demand or nothing.
+    The token bucket earns the lease's prefill rate while the lease is live; ``chunk_tokens`` says how
+    many borrowed tokens the next iteration may compute and ``spend`` pays for them. A reservation's
+    life: ``start`` (commit; ``False`` means its lease lapsed and it must not run) -> ``prefill_done``
+    (compute, transfer and the task slot come back) -> ``finish`` (KV and decode work come back), or
+    ``cancel`` before it starts. Times are seconds on the node's clock; not thread-safe beyond the
+    ledger's own lock (one scheduler loop drives it).
+    """
+
+    node_id: int = 0
+    burst_s: float = DEFAULT_CONTROL_INTERVAL_S
+    """The bucket holds at most this many seconds of the lease's rate (the simulator uses the control
+    interval)."""
+    ledger: LeaseLedger = field(default_factory=LeaseLedger)
+    bucket: LeaseTokenBucket = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bucket = LeaseTokenBucket(burst_s=self.burst_s)
+
+    # ---- the lease ----------------------------------------------------------------------------
+    def install_lease(self, budgets: LeaseBudgets, ttl_s: float, now_s: float) -> list[int]:
+        """Make ``budgets`` the node's lease for ``[now_s, now_s + ttl_s)``; returns the un-started
+        reservations revoked because they no longer fit (in id order)."""
+        before = set(self.ledger.pending_ids(self.node_id))
+        lease = self.ledger.publish(self.node_id, budgets, now_s, ttl_s)
+        self.bucket.set_lease(now_s, budgets.prefill_tokens / ttl_s, lease.expires_s)
+        return sorted(before - set(self.ledger.pending_ids(self.node_id)))
+
+    def revoke(self, now_s: float) -> list[int]:
+        """Shrink the lease to zero now (decode pressure); returns the un-started reservations revoked."""
+        revoked = self.ledger.revoke(self.node_id, now_s)
+        lease = self.ledger.lease(self.node_id)
+        self.bucket.set_lease(now_s, 0.0, now_s if lease is None else lease.expires_s)
+        return revoked
+
+    def lease(self) -> Lease | None:
+        """The node's current lease (possibly expired or zero), ``None`` before the first."""
+        return self.ledger.lease(self.node_id)
+
+    def is_live(self, now_s: float) -> bool:
+        lease = self.ledger.lease(self.node_id)
+        return lease is not None and lease.is_live(now_s) and not lease.budgets.is_zero()
+
+    def expire(self, now_s: float) -> list[int]:
+        """Close the un-started reservations whose lease has run out by ``now_s``; returns their ids."""
+        return self.ledger.expire(now_s)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def try_admit(
+        self, input_tokens: int, expected_output_tokens: int, now_s: float, *, cached_tokens: int = 0
+    ) -> AdmitOutcome:
+        """Reserve a borrowed request's demand (``borrowed_demand``) on the node's live lease, or say
+        why not: no live lease, or the budgets (tasks, KV, compute, ...) that cannot hold it."""
+        demand = borrowed_demand(input_tokens, expected_output_tokens, cached_tokens=cached_tokens)
+        if not self.is_live(now_s):
+            return AdmitOutcome(AdmitResult.NO_LEASE, demand)
+        reservation = self.ledger.reserve(self.node_id, demand, now_s)
+        if reservation is not None:
+            return AdmitOutcome(AdmitResult.ADMITTED, demand, reservation.reservation_id)
+        available = self.ledger.available(self.node_id, now_s)
+        short = tuple(
+            name
+            for name, need, have in zip(BUDGET_FIELDS, demand.as_tuple(), available.as_tuple(), strict=True)
+            if need > have
+        )
+        return AdmitOutcome(AdmitResult.NO_ROOM, demand, short=short, available=available)
+
+    def is_pending(self, reservation_id: int, now_s: float) -> bool:
+        """The reservation may still start (not revoked, not expired, not started yet)."""
+        return self.ledger.is_spendable(reservation_id, now_s) and (
+            self.ledger.status(reservation_id) == "reserved"
+        )
+
+    def start(self, reservation_id: int, now_s: float) -> bool:
+        """Commit the reservation as its prefill starts; ``False``: it can no longer run here."""
+        return self.ledger.commit(reservation_id, now_s)
+
+    def prefill_done(self, reservation_id: int) -> None:
+        """The prompt is computed: return compute, transfer and the task slot; KV and decode stay held."""
+        held = self.ledger.held_by(reservation_id)
+        part = LeaseBudgets(
+            prefill_tokens=held.prefill_tokens, transfer_tokens=held.transfer_tokens, tasks=held.tasks
+        )
+        if not part.is_zero():
+            self.ledger.release(reservation_id, part)  # closes it when nothing else is held
+
+    def finish(self, reservation_id: int) -> None:
+        """The request left the node (finished or aborted after it started): return everything."""
+        if self.ledger.status(reservation_id) in ("reserved", "committed"):
+            self.ledger.release(reservation_id)
+
+    cancel = finish
+    """A request that will not start here (refused later, aborted, fell back) gives its budgets back."""
+
+    def unstarted_kv_tokens(self, exclude: int | None = None) -> int:
+        """KV tokens reservations that have not started hold (optionally but one): the room the node
+        keeps out of its decode pre-allocation budget."""
+        held = self.ledger.held(self.node_id, committed=False).kv_tokens
+        if exclude is not None and self.ledger.status(exclude) == "reserved":
+            held -= self.ledger.held_by(exclude).kv_tokens
+        return held
+
+    def held(self) -> LeaseBudgets:
+        """Everything active reservations hold on the node."""
+        return self.ledger.held(self.node_id)
+
+    # ---- pacing -------------------------------------------------------------------------------
+    def chunk_tokens(
+        self, remaining_tokens: int, max_chunk_tokens: int, page_tokens: int, now_s: float
+    ) -> int:
+        """Borrowed prefill tokens the next iteration may compute (``borrowed_chunk_tokens`` over the
+        bucket's credit, at most ``max_chunk_tokens``); 0 means wait for credit."""
+        return borrowed_chunk_tokens(
+            min(self.bucket.available_tokens(now_s), max_chunk_tokens),
+            remaining_tokens,
+            min_borrowed_chunk_tokens(self.bucket, page_tokens),
+        )
+
+    def spend(self, tokens: int, now_s: float) -> None:
+        """Pay for ``tokens`` borrowed prefill tokens computed now (``ValueError`` if it overspends)."""
+        self.bucket.spend(tokens, now_s)
+
+
+__all__ = [
+    "AdmitOutcome",
+    "AdmitResult",
+    "LeaseTokenBucket",
+    "LocalPrefillAdmission",
+    "borrowed_chunk_tokens",
+    "borrowed_demand",
+    "borrowed_start_blocked",
+    "min_borrowed_chunk_tokens",
+    "prealloc_fits",
+]

@@ -3,6 +3,7 @@ extractor reads a hand-written source tree right, and (slow) the wheel still yie
 
 from __future__ import annotations
 
+import ast
 import copy
 import os
 import subprocess
@@ -12,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from serving.sglang_plugin.contract import CLASSES, RELIED
 from serving.sglang_plugin.snapshot import (
+    CALLED,
     HOOK_POINTS,
     TARGETS,
+    _find,
+    _own_members,
     build_snapshot,
     check_hook_points,
     dumps,
@@ -57,7 +62,19 @@ def test_check_reports_what_breaks_the_contract() -> None:
     snap["classes"]["sglang.srt.managers.scheduler.Scheduler"]["overrides_from_decode_mixin"] = [
         "get_next_disagg_decode_batch_to_run"
     ]
+    del snap["members"]["sglang.srt.managers.scheduler.Scheduler"]["chunked_req"]
+    snap["marker_carrier"]["sglang.srt.managers.scheduler.Scheduler._handle_generate_request"] = []
+    prepare = snap["functions"]["sglang.srt.disaggregation.utils.prepare_abort"]
+    prepare["params"] = [p for p in prepare["params"] if p["name"] != "status_code"]
+    budget = snap["functions"][
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._allocatable_token_budgets"
+    ]
+    budget["params"][2]["default"] = "False"
     problems = check_hook_points(snap)
+    assert any("Scheduler.chunked_req: not defined" in p for p in problems)
+    assert any("_handle_generate_request no longer passes routing_key" in p for p in problems)
+    assert any("prepare_abort: no parameter 'status_code'" in p for p in problems)
+    assert any("_allocatable_token_budgets: parameters" in p and "'False'" in p for p in problems)
     assert any(target in p and "request" in p for p in problems)
     assert any("get_new_batch_prefill: missing" in p for p in problems)
     assert any("entry-point group" in p for p in problems)
@@ -108,6 +125,8 @@ _MINI = {
                 return self._raw(running_batch)
             def handle(self, req):
                 self._add_request_to_queue(req)
+            def _handle_generate_request(self, recv_req):
+                return Req(recv_req.rid, routing_key=recv_req.routing_key)
         def run_scheduler_process(*args):
             load_plugins()
         """,
@@ -122,7 +141,10 @@ _MINI = {
                 if self.scheduler.enable_hisparse and self.scheduler.last_batch.forward_mode.is_prebuilt():
                     return self.token_to_kv_pool_allocator.available_size()
                 return 0
-            def _swa_tail_allocatable_token_budget(self, retractable_tokens=None):
+            def _swa_tail_allocatable_token_budget(
+                self, retractable_tokens=None, retractable_swa_tokens=None, count_retracted=True,
+                n_active=None, reserved_tokens=None, extra_reserved_reqs=0,
+            ):
                 return 0
             def pop_preallocated(self):
                 return self._allocatable_token_budgets()
@@ -138,14 +160,79 @@ _MINI = {
                 self.add(1)
                 self.queue.add(2)
         """,
+    "sglang/srt/managers/batch_mixin.py": """
+        class BatchMixin:
+            def is_empty(self):
+                self.batch_is_full = False
+        """,
+    "sglang/srt/managers/schedule_batch.py": """
+        from sglang.srt.managers.batch_mixin import BatchMixin
+        class Req:
+            def __init__(self, rid, routing_key=None):
+                self.rid = rid
+                self.routing_key = routing_key
+        class ScheduleBatch(BatchMixin):
+            reqs: list = None
+        """,
+    "sglang/srt/managers/tokenizer_manager.py": """
+        class TokenizerManager:
+            def _create_tokenized_object(self, obj):
+                return Tokenized(routing_key=obj.routing_key, rid=obj.rid)
+        """,
 }
 
 
+_DEFINED_IN_BASES = {"ScheduleBatch": ("is_empty", "batch_is_full")}
+"""Relied-on names the hand-written tree defines in a base class (no stub in the class itself)."""
+
+
+def _stub_def(name: str, params: list[str], indent: str) -> str:
+    return f"{indent}def {name}({', '.join(params)}):\n{indent}    return None\n"
+
+
 def _mini_tree(root: Path) -> Path:
-    for rel, text in _MINI.items():
+    """The hand-written tree, completed with stubs for every other target and relied-on class (with
+    the parameters the plugin's contract expects), so the whole extractor runs on it."""
+    texts = {rel: textwrap.dedent(text).lstrip("\n") for rel, text in _MINI.items()}
+    wanted: dict[str, dict[str, list[str]]] = {}  # file -> class ("" for module level) -> stub lines
+    for rel, qualname in TARGETS:
+        cls, _, name = qualname.rpartition(".")
+        target = f"{rel[:-3].replace('/', '.').removesuffix('.__init__')}.{qualname}"
+        if target in HOOK_POINTS:
+            params = [n if d is None else f"{n}={d}" for n, d in HOOK_POINTS[target]]
+        elif target in CALLED:
+            n_positional, keywords = CALLED[target]
+            params = [*(["self"] if cls else []), *(f"a{i}" for i in range(n_positional))]
+            params += [f"{k}=None" for k in keywords]
+        else:
+            params = ["self"] if cls else []
+        wanted.setdefault(rel, {}).setdefault(cls, []).append(_stub_def(name, params, "    " if cls else ""))
+    for cls_name, rel in CLASSES.items():
+        in_bases = _DEFINED_IN_BASES.get(cls_name, ())
+        fields = [f"    {name}: int = 0\n" for name in RELIED[cls_name] if name not in in_bases]
+        wanted.setdefault(rel, {}).setdefault(cls_name, []).extend(fields)
+    for rel, by_class in wanted.items():
+        text = texts.get(rel, "")
+        for cls, stubs in by_class.items():
+            for stub in stubs:
+                name = stub.strip().removeprefix("def ").split("(")[0].split(":")[0]
+                tree = ast.parse(text)
+                lines = text.splitlines(keepends=True)
+                if not cls:
+                    if not isinstance(_find(tree, name), ast.FunctionDef):
+                        lines.append(stub)
+                else:
+                    node = _find(tree, cls)
+                    if node is None:
+                        lines += [f"class {cls}:\n", stub]
+                    elif name not in _own_members(node, rel):
+                        lines[node.lineno : node.lineno] = [stub]  # right after the class line
+                text = "".join(lines)
+        texts[rel] = text
+    for rel, text in texts.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip("\n"))
+        path.write_text(text)
     return root
 
 
@@ -199,6 +286,22 @@ def test_extractor_on_a_hand_written_source_tree(tmp_path: Path) -> None:
     fw = snap["plugin_framework"]
     assert fw["load_plugins_called_from"] == ["sglang.srt.managers.scheduler:run_scheduler_process"]
     assert fw["selection_env"]["lineno"] == 3
+    batch = snap["members"]["sglang.srt.managers.schedule_batch.ScheduleBatch"]
+    assert batch["is_empty"] == {
+        "kind": "method",
+        "file": "sglang/srt/managers/batch_mixin.py",
+        "lineno": 2,
+        "class": "BatchMixin",
+    }, "found in the base class, through the module's import"
+    assert batch["batch_is_full"]["kind"] == "attribute" and batch["batch_is_full"]["class"] == "BatchMixin"
+    assert snap["members"]["sglang.srt.managers.schedule_batch.Req"]["routing_key"]["kind"] == "attribute"
+    assert snap["marker_carrier"] == {
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object": [
+            "obj.routing_key"
+        ],
+        "sglang.srt.managers.scheduler.Scheduler._handle_generate_request": ["recv_req.routing_key"],
+        "sglang.srt.managers.schedule_batch.Req.__init__": ["routing_key"],
+    }
     assert check_hook_points(snap) == []
 
 

@@ -19,18 +19,19 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import inspect
 import json
 import os
 import tempfile
 import zipfile
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 SNAPSHOT_FILE = "sglang_0.5.23_hooks.json"
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 
 SCHEDULER = "sglang/srt/managers/scheduler.py"
 DECODE = "sglang/srt/disaggregation/decode.py"
@@ -38,23 +39,56 @@ HOOK_REGISTRY = "sglang/srt/plugins/hook_registry.py"
 PLUGINS = "sglang/srt/plugins/__init__.py"
 ENVIRON = "sglang/srt/environ.py"
 
+SCHEDULE_BATCH = "sglang/srt/managers/schedule_batch.py"
+TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
+DISAGG_UTILS = "sglang/srt/disaggregation/utils.py"
+TIME_STATS = "sglang/srt/observability/req_time_stats.py"
+OUTPUT_STREAMER = "sglang/srt/managers/scheduler_components/output_streamer.py"
+
 TARGETS: tuple[tuple[str, str], ...] = (
     (SCHEDULER, "Scheduler._add_request_to_queue"),
     (SCHEDULER, "Scheduler.get_new_batch_prefill"),
+    (SCHEDULER, "Scheduler._get_new_batch_prefill_raw"),
+    (SCHEDULER, "Scheduler.get_next_batch_to_run"),
+    (SCHEDULER, "Scheduler._handle_generate_request"),
+    (SCHEDULER, "Scheduler.abort_request"),
+    (SCHEDULER, "Scheduler.is_fully_idle"),
+    (SCHEDULER, "Scheduler.set_internal_state"),
+    (SCHEDULER, "Scheduler.get_internal_state"),
+    (SCHEDULER, "Scheduler.stash_chunked_request"),
+    (SCHEDULER, "Scheduler.process_pending_chunked_abort"),
+    (SCHEDULER, "Scheduler._release_aborted_request"),
     (DECODE, "SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run"),
     (DECODE, "SchedulerDisaggregationDecodeMixin.event_loop_normal_disagg_decode"),
+    (DECODE, "SchedulerDisaggregationDecodeMixin.process_decode_queue"),
     (DECODE, "DecodePreallocQueue.add"),
+    (DECODE, "DecodePreallocQueue._active_req_count"),
     (DECODE, "DecodePreallocQueue._allocatable_token_budgets"),
     (DECODE, "DecodePreallocQueue._swa_tail_allocatable_token_budget"),
+    (DECODE, "DecodePreallocQueue._swa_aware_allocatable_token_budgets"),
+    (DECODE, "DecodePreallocQueue.pop_preallocated"),
+    (DECODE, "DecodePreallocQueue.resume_retracted_reqs"),
+    (SCHEDULE_BATCH, "Req.__init__"),
+    (SCHEDULE_BATCH, "ScheduleBatch.filter_batch"),
+    (SCHEDULE_BATCH, "ScheduleBatch.merge_batch"),
+    (SCHEDULE_BATCH, "FINISH_ABORT.__init__"),
+    (TOKENIZER, "TokenizerManager.generate_request"),
+    (TOKENIZER, "TokenizerManager._create_tokenized_object"),
+    (OUTPUT_STREAMER, "SchedulerOutputStreamer.stream_output"),
+    (DISAGG_UTILS, "prepare_abort"),
+    (TIME_STATS, "set_schedule_time_batch"),
     (HOOK_REGISTRY, "HookRegistry.register"),
     (HOOK_REGISTRY, "HookRegistry.apply_hooks"),
+    (HOOK_REGISTRY, "_wrap_fn"),
     (HOOK_REGISTRY, "plugin_hook"),
     (PLUGINS, "load_plugins"),
     (PLUGINS, "load_plugins_by_group"),
 )
-"""(source file, qualified name) of every function recorded: the three hook points, what they hand
-work to (``DecodePreallocQueue.add``, the SWA twin of the KV budget, the decode event loop that calls
-batch selection) and the framework's entry points."""
+"""(source file, qualified name) of every function recorded: the hook points, what the plugin calls
+(``get_new_batch_prefill``, the chunked-request helpers, the abort path), what hands work to them
+(the decode event loop and queue, the pre-allocation and retraction callers of the KV budget), where
+the marker travels (``_create_tokenized_object`` -> ``_handle_generate_request`` -> ``Req``) and the
+plugin framework's entry points."""
 
 CALLER_DIRS: tuple[str, ...] = ("sglang/srt/managers", "sglang/srt/disaggregation")
 """Where call sites of the recorded scheduler-side methods are looked for."""
@@ -67,22 +101,47 @@ RECEIVERS: dict[str, tuple[str, ...]] = {
 """Class -> the attribute names its instances are called through from other objects (calls on
 ``self`` count inside the class itself and, for the scheduler, inside its mixins)."""
 
-_MIXIN = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin"
 
-HOOK_POINTS: dict[str, tuple[str, ...]] = {
-    "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue": ("self", "req", "is_retracted"),
-    f"{_MIXIN}.get_next_disagg_decode_batch_to_run": ("self", "running_batch"),
-    "sglang.srt.disaggregation.decode.DecodePreallocQueue._allocatable_token_budgets": (
-        "self",
-        "retractable_tokens",
-        "count_retracted",
-        "extra_reserved_reqs",
-        "reserved_tokens",
-        "hicache_reserved_tokens",
-    ),
-    "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": ("self", "running_batch"),
+def _hook_points() -> dict[str, tuple[tuple[str, str | None], ...]]:
+    """Hook target -> the parameters (name, default or None) its hook takes after the original
+    function or its result: SGLang's parameters, ``self`` first, as the hook must receive them."""
+    from serving.sglang_plugin.hooks import HOOKS
+
+    points = {}
+    for target, _, hook in HOOKS:
+        params = list(inspect.signature(hook).parameters.values())[1:]
+        points[target] = tuple(
+            ("self" if i == 0 else p.name, None if p.default is p.empty else repr(p.default))
+            for i, p in enumerate(params)
+        )
+    return points
+
+
+HOOK_POINTS: dict[str, tuple[tuple[str, str | None], ...]] = _hook_points()
+"""The plugin's contract with SGLang: hook target -> its parameters (name, default), derived from the
+hooks themselves (``serving.sglang_plugin.hooks.HOOKS``)."""
+
+CALLED: dict[str, tuple[int, tuple[str, ...]]] = {
+    "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": (1, ()),
+    "sglang.srt.managers.scheduler.Scheduler.stash_chunked_request": (1, ()),
+    "sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort": (0, ()),
+    "sglang.srt.managers.scheduler.Scheduler._release_aborted_request": (1, ()),
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue._active_req_count": (0, ()),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.filter_batch": (0, ("reqs_to_exclude",)),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.merge_batch": (1, ()),
+    "sglang.srt.managers.schedule_batch.FINISH_ABORT.__init__": (2, ()),
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output": (2, ()),
+    "sglang.srt.disaggregation.utils.prepare_abort": (2, ("status_code",)),
+    "sglang.srt.observability.req_time_stats.set_schedule_time_batch": (1, ()),
 }
-"""The plugin's contract with SGLang: hook target -> the parameters, in order, its wrapper passes on."""
+"""What the plugin calls: function -> (positional arguments after ``self``, keyword arguments)."""
+
+MARKER_CARRIER: tuple[tuple[str, str], ...] = (
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object", "obj.routing_key"),
+    ("sglang.srt.managers.scheduler.Scheduler._handle_generate_request", "recv_req.routing_key"),
+)
+"""Where ``routing_key`` must be handed on unchanged for the marker to reach ``Req``: function ->
+the value it passes as ``routing_key=`` (then ``Req.__init__`` keeps it as ``self.routing_key``)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +151,8 @@ class _Source:
     root: Path
     prefix: str = ""
     zip_names: frozenset[str] | None = None
+    _texts: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Files read so far (a wheel's central directory is read once, not once per file)."""
 
     @classmethod
     def open(cls, path: str | Path) -> _Source:
@@ -104,16 +165,23 @@ class _Source:
                 return cls(p, prefix)
         raise FileNotFoundError(f"{p}: not an SGLang wheel nor a directory holding {SCHEDULER}")
 
-    def read(self, rel: str) -> str:
+    def exists(self, rel: str) -> bool:
         if self.zip_names is not None:
-            if rel not in self.zip_names:
-                raise FileNotFoundError(f"{self.root}: no {rel} in the wheel")
-            with zipfile.ZipFile(self.root) as z:
-                return z.read(rel).decode("utf-8")
-        path = self.root / self.prefix / rel
-        if not path.is_file():
-            raise FileNotFoundError(f"{self.root}: no {rel}")
-        return path.read_text("utf-8")
+            return rel in self.zip_names
+        return (self.root / self.prefix / rel).is_file()
+
+    def read(self, rel: str) -> str:
+        if rel in self._texts:
+            return self._texts[rel]
+        if not self.exists(rel):
+            raise FileNotFoundError(f"{self.root}: no {rel}" + (" in the wheel" if self.zip_names else ""))
+        if self.zip_names is not None:
+            wanted = {rel, *(n for n in self.zip_names if n.endswith(".py") and n not in self._texts)}
+            with zipfile.ZipFile(self.root) as z:  # every Python file at once: one directory read
+                self._texts.update((n, z.read(n).decode("utf-8")) for n in wanted)
+        else:
+            self._texts[rel] = (self.root / self.prefix / rel).read_text("utf-8")
+        return self._texts[rel]
 
     def list_py(self, folder: str) -> list[str]:
         if self.zip_names is not None:
@@ -359,6 +427,105 @@ def _callers_of(tree: ast.Module, rel: str, func_name: str) -> list[str]:
     )
 
 
+def _module_file(src: _Source, module: str) -> str | None:
+    """``a.b.c`` -> ``a/b/c.py`` or ``a/b/c/__init__.py``, whichever the source has (else None)."""
+    base = module.replace(".", "/")
+    return next((rel for rel in (f"{base}.py", f"{base}/__init__.py") if src.exists(rel)), None)
+
+
+def _imported_names(tree: ast.Module) -> dict[str, tuple[str, str]]:
+    """Name bound by ``from X import Y [as Z]`` anywhere in a module -> (module X, name Y)."""
+    out: dict[str, tuple[str, str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                out[alias.asname or alias.name] = (node.module, alias.name)
+    return out
+
+
+def _own_members(cls: ast.ClassDef, rel: str) -> dict[str, dict[str, Any]]:
+    """Names a class body defines: methods, class-level fields and ``self.<name>`` assignments in its
+    methods (name -> kind, file, first line, class)."""
+    own: dict[str, dict[str, Any]] = {}
+
+    def note(name: str, kind: str, line: int) -> None:
+        if name not in own or line < own[name]["lineno"]:
+            own[name] = {"kind": kind, "file": rel, "lineno": line, "class": cls.name}
+
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            note(node.name, "method", node.lineno)
+            if not node.args.args:
+                continue
+            self_name = node.args.args[0].arg
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                    chain = _self_chain(sub, self_name)
+                    if chain is not None and len(chain) == 1:
+                        note(chain[0], "attribute", sub.lineno)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            note(node.target.id, "field", node.lineno)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    note(target.id, "field", node.lineno)
+    return own
+
+
+def _sglang_bases(src: _Source, module: ast.Module, rel: str, cls: ast.ClassDef) -> list[tuple[str, str]]:
+    """(file, class name) of each base of ``cls`` that SGLang defines: in the same module, or
+    imported from an ``sglang.`` module."""
+    imported = _imported_names(module)
+    out = []
+    for base in cls.bases:
+        if not isinstance(base, ast.Name):
+            continue
+        if isinstance(_find(module, base.id), ast.ClassDef):
+            out.append((rel, base.id))
+        elif base.id in imported and imported[base.id][0].startswith("sglang."):
+            mod, name = imported[base.id]
+            base_rel = _module_file(src, mod)
+            if base_rel is not None:
+                out.append((base_rel, name))
+    return out
+
+
+def _class_members(
+    src: _Source, tree: Callable[[str], ast.Module], rel: str, cls_name: str
+) -> dict[str, dict[str, Any]]:
+    """Every name an instance of ``cls_name`` (defined in ``rel``) has by SGLang's source: its own
+    (``_own_members``) and, where it does not define a name, its SGLang bases' (breadth first)."""
+    members: dict[str, dict[str, Any]] = {}
+    seen: set[tuple[str, str]] = set()
+    todo = [(rel, cls_name)]
+    while todo:
+        rel_i, name_i = todo.pop(0)
+        if (rel_i, name_i) in seen:
+            continue
+        seen.add((rel_i, name_i))
+        module = tree(rel_i)
+        cls = _find(module, name_i)
+        if not isinstance(cls, ast.ClassDef):
+            raise KeyError(f"{rel_i}: no class {name_i}")
+        for name, where in _own_members(cls, rel_i).items():
+            members.setdefault(name, where)
+        todo.extend(_sglang_bases(src, module, rel_i, cls))
+    return members
+
+
+def _keyword_values(fn: ast.FunctionDef | ast.AsyncFunctionDef, keyword: str) -> list[str]:
+    """The values (unparsed) passed as ``keyword=`` in any call inside ``fn``."""
+    return sorted(
+        {
+            ast.unparse(kw.value)
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Call)
+            for kw in node.keywords
+            if kw.arg == keyword
+        }
+    )
+
+
 def build_snapshot(source: str | Path) -> dict[str, Any]:
     """The snapshot of an SGLang wheel (``.whl``) or source directory. Raises ``KeyError`` naming a
     target that the source does not define, ``FileNotFoundError`` for a missing module."""
@@ -402,6 +569,28 @@ def build_snapshot(source: str | Path) -> dict[str, Any]:
         if cls in RECEIVERS:
             functions[f"{_module_name(rel)}.{qualname}"]["called_from"] = sorted(sites[method])
 
+    from serving.sglang_plugin.contract import CLASSES, RELIED
+
+    members: dict[str, Any] = {}
+    for cls_name, cls_rel in sorted(CLASSES.items()):
+        found = _class_members(src, tree, cls_rel, cls_name)
+        members[f"{_module_name(cls_rel)}.{cls_name}"] = {
+            name: found[name] for name in sorted(RELIED.get(cls_name, ())) if name in found
+        }
+    carrier: dict[str, Any] = {}
+    for target, _ in MARKER_CARRIER:
+        rel = next(r for r, q in TARGETS if f"{_module_name(r)}.{q}" == target)
+        fn = _find(tree(rel), target[len(_module_name(rel)) + 1 :])
+        assert isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        carrier[target] = _keyword_values(fn, "routing_key")
+    req_init = _find(tree(SCHEDULE_BATCH), "Req.__init__")
+    assert isinstance(req_init, ast.FunctionDef)
+    carrier["sglang.srt.managers.schedule_batch.Req.__init__"] = [
+        ast.unparse(node.value)
+        for node in ast.walk(req_init)
+        if isinstance(node, ast.Assign) and any(ast.unparse(t) == "self.routing_key" for t in node.targets)
+    ]
+
     sched, decode = tree(SCHEDULER), tree(DECODE)
     scheduler_cls = _class_facts(sched, "Scheduler")
     mixin = _class_facts(decode, "SchedulerDisaggregationDecodeMixin")
@@ -421,6 +610,8 @@ def build_snapshot(source: str | Path) -> dict[str, Any]:
                 k: v for k, v in _class_facts(decode, "DecodePreallocQueue").items() if k != "methods"
             },
         },
+        "members": members,
+        "marker_carrier": carrier,
         "plugin_framework": {
             "entry_point_group": _module_constant(tree(PLUGINS), "GENERAL_PLUGINS_GROUP"),
             "platform_entry_point_group": _module_constant(tree(PLUGINS), "PLATFORM_PLUGINS_GROUP"),
@@ -436,18 +627,65 @@ def build_snapshot(source: str | Path) -> dict[str, Any]:
     }
 
 
-def check_hook_points(snapshot: dict[str, Any]) -> list[str]:
-    """What in ``snapshot`` breaks the plugin's assumptions (empty when nothing does)."""
-    problems: list[str] = []
-    functions = snapshot.get("functions", {})
+def _check_hooks(functions: dict[str, Any]) -> list[str]:
+    problems = []
     for target, expected in HOOK_POINTS.items():
         entry = functions.get(target)
         if entry is None:
             problems.append(f"{target}: missing")
             continue
-        names = tuple(p["name"] for p in entry["params"])
-        if names != expected:
-            problems.append(f"{target}: parameters {names}, the plugin passes {expected}")
+        found = tuple((p["name"], p.get("default")) for p in entry["params"])
+        if found != expected:
+            problems.append(f"{target}: parameters {found}, the plugin's hook takes {expected}")
+    return problems
+
+
+def _check_called(functions: dict[str, Any]) -> list[str]:
+    problems = []
+    for target, (n_positional, keywords) in CALLED.items():
+        entry = functions.get(target)
+        if entry is None:
+            problems.append(f"{target}: missing (the plugin calls it)")
+            continue
+        params = entry["params"][1:] if "self" in entry else entry["params"]
+        positional = [p for p in params if p["kind"] in ("positional_only", "positional_or_keyword")]
+        if len(positional) < n_positional and not any(p["kind"] == "var_positional" for p in params):
+            problems.append(
+                f"{target}: takes {len(positional)} positional arguments, the plugin passes {n_positional}"
+            )
+        required = [p["name"] for p in positional[n_positional:] if p.get("default") is None]
+        if required:
+            problems.append(f"{target}: requires {required}, which the plugin does not pass")
+        names = {p["name"] for p in params}
+        problems += [
+            f"{target}: no parameter {k!r} (the plugin passes it)" for k in keywords if k not in names
+        ]
+    return problems
+
+
+def _check_members(snapshot: dict[str, Any]) -> list[str]:
+    from serving.sglang_plugin.contract import CLASSES, RELIED
+
+    problems = []
+    members = snapshot.get("members", {})
+    for cls_name, cls_rel in CLASSES.items():
+        have = members.get(f"{_module_name(cls_rel)}.{cls_name}", {})
+        problems += [
+            f"{cls_name}.{name}: not defined in SGLang (the plugin uses it)"
+            for name in RELIED.get(cls_name, ())
+            if name not in have
+        ]
+    carrier = snapshot.get("marker_carrier", {})
+    for target, value in MARKER_CARRIER:
+        if value not in carrier.get(target, []):
+            problems.append(f"{target} no longer passes routing_key={value}: the marker would be lost")
+    if "routing_key" not in carrier.get("sglang.srt.managers.schedule_batch.Req.__init__", []):
+        problems.append("Req.__init__ no longer keeps routing_key: the marker would be lost")
+    return problems
+
+
+def _check_framework(snapshot: dict[str, Any]) -> list[str]:
+    problems = []
     framework = snapshot.get("plugin_framework", {})
     if framework.get("entry_point_group") != "sglang.srt.plugins":
         problems.append(
@@ -469,6 +707,19 @@ def check_hook_points(snapshot: dict[str, Any]) -> list[str]:
             "Scheduler overrides get_next_disagg_decode_batch_to_run: hook the Scheduler's method"
         )
     return problems
+
+
+def check_hook_points(snapshot: dict[str, Any]) -> list[str]:
+    """What in ``snapshot`` breaks the plugin's assumptions (empty when nothing does): the hooks'
+    parameters, what the plugin calls and uses (``contract.RELIED``), the marker's carrier, the plugin
+    framework."""
+    functions = snapshot.get("functions", {})
+    return [
+        *_check_hooks(functions),
+        *_check_called(functions),
+        *_check_members(snapshot),
+        *_check_framework(snapshot),
+    ]
 
 
 def load_snapshot() -> dict[str, Any]:
