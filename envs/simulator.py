@@ -65,7 +65,13 @@ from envs.sim_state import (
     PrefillWorker,
     ReqState,
 )
-from policies.admission import LeaseTokenBucket, borrowed_chunk_tokens, prealloc_fits
+from policies.admission import (
+    LeaseTokenBucket,
+    borrowed_chunk_tokens,
+    borrowed_start_blocked,
+    min_borrowed_chunk_tokens,
+    prealloc_fits,
+)
 from policies.node_state import NodeState
 from policies.routing import OverloadProtection, RoutingPolicy, WorkerPool, make_routing_policy
 
@@ -722,7 +728,14 @@ class Simulator:
             if budget <= 0:
                 break
             if not req.started:
-                if w.waiting or w.prealloc or w.retracted or len(w.running) >= cfg.max_running_requests:
+                blocked = borrowed_start_blocked(
+                    waiting_to_join=len(w.waiting),
+                    waiting_for_kv=len(w.prealloc),
+                    retracted=len(w.retracted),
+                    running=len(w.running),
+                    max_running=cfg.max_running_requests,
+                )
+                if blocked is not None:
                     break
                 state = state or self._node_state(w)
                 verdict = self.scheduler.on_task_arrival(req.reservation, state, self.now_s)
@@ -763,8 +776,7 @@ class Simulator:
         return sum(r.input - r.done if r.started else r.input - min(r.pull, r.input - 1) for r in w.borrowed)
 
     def _min_chunk_tokens(self, w: DecodeWorker) -> int:
-        """The smallest borrowed chunk worth an iteration: a page, or all the credit the bucket can hold."""
-        return max(1, min(self.config.page_tokens, int(w.bucket.rate_tokens_per_s * w.bucket.burst_s)))
+        return min_borrowed_chunk_tokens(w.bucket, self.config.page_tokens)
 
     def _wake_when_credit(self, w: DecodeWorker) -> None:
         """An idle node with borrowed work but too little credit starts again once it has a chunk's
