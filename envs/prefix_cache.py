@@ -16,9 +16,10 @@ first for the same reason).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from envs.request import Request
+from policies.routing import UniformMatches
 
 Segment = tuple[int, int, int]
 """(origin request id, first page, end page) — pages [first, end) were first computed by origin."""
@@ -83,12 +84,49 @@ class PrefixIndex:
         return segs
 
 
+class PoolHolders:
+    """For the caches of one pool: which workers hold each origin's run, and how far (a count per
+    cached end), so a router finds the workers that can match a request without asking every one."""
+
+    __slots__ = ("ends", "owners")
+
+    def __init__(self) -> None:
+        self.owners: dict[int, set[int]] = {}
+        self.ends: dict[int, dict[int, int]] = {}
+        """origin -> {cached end page: how many workers cache the run that far}."""
+
+    def add(self, origin: int, owner: int, end: int) -> None:
+        self.owners.setdefault(origin, set()).add(owner)
+        ends = self.ends.setdefault(origin, {})
+        ends[end] = ends.get(end, 0) + 1
+
+    def extend(self, origin: int, old_end: int, new_end: int) -> None:
+        ends = self.ends[origin]
+        ends[old_end] -= 1
+        if not ends[old_end]:
+            del ends[old_end]
+        ends[new_end] = ends.get(new_end, 0) + 1
+
+    def remove(self, origin: int, owner: int, end: int) -> None:
+        owners = self.owners[origin]
+        owners.discard(owner)
+        ends = self.ends[origin]
+        ends[end] -= 1
+        if not ends[end]:
+            del ends[end]
+        if not owners:
+            del self.owners[origin], self.ends[origin]
+
+    def holding_at_least(self, origin: int, end: int) -> int:
+        """Workers whose cache holds ``origin``'s run up to ``end`` or further."""
+        return sum(n for e, n in self.ends.get(origin, {}).items() if e >= end)
+
+
 class PrefixCache:
     """One worker's LRU prefix cache, counted in pages.
 
-    ``holders``/``owner``: caches of one pool may share a map ``origin -> workers whose cache holds
-    that origin's run`` (``owner`` is this cache's worker), so a router finds the workers that can
-    match a request without asking every worker (``match_in_pool``).
+    ``holders``/``owner``: the caches of one pool may share a ``PoolHolders`` (``owner`` is this
+    cache's worker), see ``pool_caches`` and ``match_in_pool``.
     """
 
     def __init__(
@@ -96,7 +134,7 @@ class PrefixCache:
         index: PrefixIndex,
         capacity_pages: int,
         *,
-        holders: dict[int, set[int]] | None = None,
+        holders: PoolHolders | None = None,
         owner: int = -1,
     ) -> None:
         self.index = index
@@ -135,10 +173,12 @@ class PrefixCache:
                 self._first[origin] = first
                 self.used_pages += end - first
                 if self._holders is not None:
-                    self._holders.setdefault(origin, set()).add(self._owner)
+                    self._holders.add(origin, self._owner, end)
             elif end > cached_end:
                 self._cached_end[origin] = end
                 self.used_pages += end - cached_end
+                if self._holders is not None:
+                    self._holders.extend(origin, cached_end, end)
         for origin, _, _ in reversed(segs):
             self._cached_end.move_to_end(origin)
         self.evict_to(self.capacity_pages, keep=segs[0][0] if segs else -1)
@@ -157,15 +197,12 @@ class PrefixCache:
             del self._cached_end[origin]
             self.used_pages -= end - self._first.pop(origin)
             if self._holders is not None:
-                owners = self._holders[origin]
-                owners.discard(self._owner)
-                if not owners:
-                    del self._holders[origin]
+                self._holders.remove(origin, self._owner, end)
 
 
 def pool_caches(index: PrefixIndex, n_workers: int, capacity_pages: int) -> list[PrefixCache]:
     """One cache per worker of a pool, sharing a holders map (see ``PrefixCache``)."""
-    holders: dict[int, set[int]] = {}
+    holders = PoolHolders()
     return [PrefixCache(index, capacity_pages, holders=holders, owner=i) for i in range(n_workers)]
 
 
@@ -185,15 +222,21 @@ def _walk(cache: PrefixCache, segs: Sequence[Segment]) -> tuple[int, int]:
 
 
 def match_in_pool(
-    caches: Sequence[PrefixCache], request_id: int, eligible: Callable[[int], bool] | None = None
-) -> dict[int, int]:
+    caches: Sequence[PrefixCache],
+    request_id: int,
+    eligible: Callable[[int], bool] | None = None,
+    *,
+    all_eligible: bool = False,
+) -> Mapping[int, int]:
     """``{worker: tokens}`` for the ``eligible`` workers of a pool (made by ``pool_caches``) whose cache
     holds the longest match of the request's prefix among them — exactly the workers a cache-aware
     router can pick on a hit.
 
     Only the eligible holders of the deepest run any of them holds are walked: a worker without that
     run matches at most up to where it starts, less than any holder. (A holder whose walk stops
-    earlier would break that argument; then every eligible worker is walked.)
+    earlier would break that argument; then every eligible worker is walked.) When every worker
+    holds that run to its end and ``all_eligible`` says no worker is left out, the answer is a
+    ``policies.routing.UniformMatches`` (constant time in the pool size).
     """
     if not caches:
         return {}
@@ -203,7 +246,15 @@ def match_in_pool(
     segs = caches[0].index.segments(request_id)
     page = caches[0].index.page_tokens
     for j in range(len(segs) - 1, -1, -1):
-        owners = holders.get(segs[j][0])
+        origin, first, end = segs[j]
+        owners = holders.owners.get(origin)
+        if owners and len(owners) == len(caches) and (eligible is None or all_eligible):
+            # Every worker holds the deepest run anyone holds. Its ancestors' runs too (a tree is
+            # evicted leaves first, so holding a run means holding the runs above it), so when each
+            # caches the run to its end here, all match the same; no need to walk them one by one.
+            if holders.holding_at_least(origin, end) == len(caches):
+                base = sum(e - f for _, f, e in segs[:j])
+                return UniformMatches((base + end - first) * page, len(caches), eligible)
         if owners and eligible is not None:
             owners = {i for i in owners if eligible(i)}
         if not owners:

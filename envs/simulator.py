@@ -382,7 +382,7 @@ class Simulator:
     @staticmethod
     def _pool_matches(
         tree: list[PrefixCache], pool: WorkerPool, router: RoutingPolicy, req: ReqState
-    ) -> dict[int, int]:
+    ) -> Mapping[int, int]:
         """What the gateway's tree says the pool holds of ``req``'s prefix, as far as ``router`` needs:
         the longest matches among the candidates (cache-aware), every worker's (the legacy rule,
         which ignores overload), or nothing."""
@@ -390,7 +390,7 @@ class Simulator:
             return {}
         if router.name == "sglang_router_cache_aware":
             return {i: m for i, c in enumerate(tree) if (m := c.match_tokens(req.rid))}
-        return match_in_pool(tree, req.rid, pool.is_candidate)
+        return match_in_pool(tree, req.rid, pool.is_candidate, all_eligible=pool.all_candidates)
 
     def _pick_decode(self, req: ReqState) -> int:
         tree = self._decode_tree

@@ -47,9 +47,10 @@ Rules are deterministic given the ``numpy`` generator the caller passes (seeded 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,7 +83,17 @@ class WorkerPool:
     running sum, and the candidate list changes only when a load poll changes the overload flags.
     """
 
-    __slots__ = ("_cand_load", "_cand_set", "_candidates", "_heap", "load", "overloaded", "processed")
+    __slots__ = (
+        "_all_candidates",
+        "_by_load",
+        "_cand_load",
+        "_cand_set",
+        "_candidates",
+        "_heap",
+        "load",
+        "overloaded",
+        "processed",
+    )
 
     def __init__(self, n_workers: int) -> None:
         if n_workers < 1:
@@ -96,8 +107,11 @@ class WorkerPool:
         workers are skipped while another is not."""
         self._candidates = list(range(n_workers))
         self._cand_set = frozenset(self._candidates)
+        self._all_candidates = True
         self._cand_load = 0
         self._heap = [(0, 0, i) for i in range(n_workers)]
+        self._by_load: dict[int, list[int]] = {0: list(range(n_workers))}
+        """Workers at each in-flight count, ascending."""
 
     def __len__(self) -> int:
         return len(self.load)
@@ -112,6 +126,7 @@ class WorkerPool:
         ok = [i for i, over in enumerate(flags) if not over]
         self._candidates = ok if ok else list(range(len(self.load)))
         self._cand_set = frozenset(self._candidates)
+        self._all_candidates = not any(flags)
         self._cand_load = sum(self.load[i] for i in self._candidates)
 
     def candidates(self) -> list[int]:
@@ -121,12 +136,22 @@ class WorkerPool:
     def is_candidate(self, worker: int) -> bool:
         return worker in self._cand_set
 
+    @property
+    def all_candidates(self) -> bool:
+        """No worker is left out by overload protection."""
+        return self._all_candidates
+
     def mean_candidate_load(self) -> float:
         return self._cand_load / len(self._candidates)
 
     def _moved(self, worker: int, delta: int) -> None:
         if worker in self._cand_set:
             self._cand_load += delta
+        old = self._by_load[self.load[worker] - delta]
+        del old[bisect.bisect_left(old, worker)]
+        if not old:
+            del self._by_load[self.load[worker] - delta]
+        bisect.insort(self._by_load.setdefault(self.load[worker], []), worker)
         heapq.heappush(self._heap, (self.load[worker], self.processed[worker], worker))
         if len(self._heap) > 4 * len(self.load) + 64:  # drop stale entries
             self._heap = [(self.load[i], self.processed[i], i) for i in range(len(self.load))]
@@ -167,10 +192,45 @@ class WorkerPool:
             heapq.heappush(heap, kept)
         return i
 
+    def least_loaded_ties(self) -> list[int]:
+        """The candidates with the fewest in-flight requests, ascending."""
+        lowest = self.load[self.least_loaded()]
+        return [i for i in self._by_load[lowest] if i in self._cand_set]
+
 
 Matches = Mapping[int, int]
 """``worker index -> leading input tokens of this request the router's tree holds for that worker``,
 for the workers holding any (absent: none)."""
+
+
+class UniformMatches(Mapping[int, int]):
+    """``Matches`` where every eligible worker of a pool matches the same ``tokens`` (a prefix all of
+    them cache, such as a common system prompt), answered without listing the pool."""
+
+    __slots__ = ("_eligible", "_n", "tokens")
+
+    def __init__(self, tokens: int, n_workers: int, eligible: Callable[[int], bool] | None = None) -> None:
+        self.tokens = tokens
+        self._n = n_workers
+        self._eligible = eligible
+
+    def __contains__(self, worker: object) -> bool:
+        return (
+            isinstance(worker, int)
+            and 0 <= worker < self._n
+            and (self._eligible is None or self._eligible(worker))
+        )
+
+    def __getitem__(self, worker: int) -> int:
+        if worker not in self:
+            raise KeyError(worker)
+        return self.tokens
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i in range(self._n) if i in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 TreeSizeFn = Callable[[int], int]
 """``worker index -> tokens in the router's tree for that worker`` (only the legacy rule asks)."""
@@ -247,6 +307,13 @@ class CacheAware:
         if len(cands) == 1:
             return cands[0]
         load = pool.load
+        if isinstance(matches, UniformMatches) and pool.all_candidates and matches.tokens > 0:
+            # every candidate holds the same match: the least-loaded ones are the tenants, and a
+            # least-loaded worker never trips the spill gate (its load is at most the mean)
+            if input_tokens <= 0 or matches.tokens / input_tokens <= self.config.cache_threshold:
+                return pool.least_loaded()
+            ties = pool.least_loaded_ties()
+            return ties[0] if len(ties) == 1 else ties[int(rng.integers(len(ties)))]
         held = {i: m for i, m in matches.items() if m > 0 and pool.is_candidate(i)}
         best = max(held.values(), default=0)
         if input_tokens <= 0 or best / input_tokens <= self.config.cache_threshold:

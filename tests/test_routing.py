@@ -173,3 +173,53 @@ def test_indexed_pool_agrees_with_a_scan_under_random_traffic() -> None:
         scan = min(cands, key=lambda j: (pool.load[j], pool.processed[j], j))
         assert pool.least_loaded() == scan
         assert pool.mean_candidate_load() == pytest.approx(sum(pool.load[j] for j in cands) / len(cands))
+
+
+def test_uniform_matches_choose_what_the_explicit_matches_choose() -> None:
+    """The constant-time answer for a prefix every worker holds picks exactly what listing them does."""
+    from policies.routing import UniformMatches
+
+    rng_loads = np.random.default_rng(5)
+    for trial in range(200):
+        pool = _pool([int(x) for x in rng_loads.integers(0, 4, 7)])
+        tokens = int(rng_loads.choice([100, 400, 900]))
+        seed = trial
+        explicit = CacheAware().choose(
+            pool, 1000, dict.fromkeys(range(7), tokens), np.random.default_rng(seed)
+        )
+        uniform = CacheAware().choose(pool, 1000, UniformMatches(tokens, 7), np.random.default_rng(seed))
+        assert uniform == explicit, (pool.load, tokens)
+    m = UniformMatches(300, 4, lambda i: i != 2)
+    assert 1 in m and 2 not in m and m[3] == 300 and sorted(m) == [0, 1, 3] and len(m) == 3
+    with pytest.raises(KeyError):
+        m[2]
+
+
+def test_pool_matches_agree_with_walking_every_worker() -> None:
+    """match_in_pool (holders of the deepest run, or a uniform answer) equals each cache's own match."""
+    from envs.prefix_cache import PrefixIndex, match_in_pool, pool_caches
+    from envs.request import Request
+    from policies.routing import UniformMatches
+
+    rng = np.random.default_rng(9)
+    reqs = [Request(0, 0, 0, 0.0, 2048, 1)]  # a common root every worker will hold
+    for i in range(1, 400):
+        parent = int(rng.integers(0, i))
+        shared = int(rng.integers(0, reqs[parent].input_tokens + 1))
+        reqs.append(Request(i, 0, i, 0.0, shared + int(rng.integers(1, 3000)), 1, parent, shared))
+    index = PrefixIndex(reqs, page_tokens=64)
+    caches = pool_caches(index, 6, capacity_pages=600)
+    for c in caches:
+        c.insert(0)
+    for rid in range(1, 400):
+        matches = match_in_pool(caches, rid)
+        walked = {w: c.match_tokens(rid) for w, c in enumerate(caches)}
+        best = max(walked.values())
+        if isinstance(matches, UniformMatches):
+            assert all(v == matches.tokens for v in walked.values())
+        else:
+            assert {w for w, v in walked.items() if v == best and v > 0} == {
+                w for w, v in matches.items() if v == best
+            }
+            assert all(walked[w] == v for w, v in matches.items())
+        caches[int(rng.integers(0, 6))].insert(rid)
