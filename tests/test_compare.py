@@ -118,9 +118,17 @@ def test_same_gpu_splits_keep_the_worker_count() -> None:
     assert same_gpu_splits("1p1d") == ["1P1D"]
 
 
-def _cap(policy: str, shape: str, seed: int, load: float) -> dict[str, Any]:
+def _cap(policy: str, shape: str, seed: int, load: float, threshold: float = 0.9) -> dict[str, Any]:
     point = {"policy": policy, "trace": "t", "model": "m", "split": "heldout", "shape": shape, "seed": seed}
-    return {"point": point, "load": load, "usable": True, "error": None, "role": "capacity"}
+    return {
+        "point": point,
+        "load": load,
+        "usable": True,
+        "error": None,
+        "role": "capacity",
+        "threshold": threshold,
+        "bracketed": True,
+    }
 
 
 def test_hindsight_split_picks_the_best_capacity_per_seed() -> None:
@@ -133,8 +141,10 @@ def test_hindsight_split_picks_the_best_capacity_per_seed() -> None:
         _cap("static", "1P2D", 1, 1.2),
         _cap("static", "2P1D", 1, 1.2),  # a tie keeps the grid shape
         _cap("heuristic", "2P1D", 1, 9.0),  # only static splits count
+        _cap("static", "2P1D", 1, 5.0, threshold=0.5),  # judged on another SLO rule: ignored
     ]
-    chosen = {h["seed"]: (h["shape"], h["load"]) for h in hindsight_split(spec, caps)}
+    saturation = [{"combo": "t|m|heldout", "shape": "1P2D", "thresholds": {0: 0.9, 1: 0.9}}]
+    chosen = {h["seed"]: (h["shape"], h["load"]) for h in hindsight_split(spec, caps, saturation)}
     assert chosen == {0: ("2P1D", 1.5), 1: ("1P2D", 1.2)}
 
 

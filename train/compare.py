@@ -219,7 +219,6 @@ class GpusJob:
     point: Point
     thresholds: tuple[tuple[int, float], ...]
     """(seed, SLO-share threshold) pairs: every seed must pass."""
-    first_prefill_share: float
     max_workers: int
     artifact_dir: str | None = None
     predictor: Any = field(default=None, compare=False)
@@ -424,9 +423,11 @@ def gpus_job(job: GpusJob) -> dict[str, Any]:
                 )
             )  # fmt: skip
         fluid = None if any(x is None for x in lower) else max(x for x in lower if x is not None)
+        # start every split walk at the best-case prefill share of the work
+        share = float(prefill_s.sum() / max((prefill_s + decode_s).sum(), 1e-12))
         found = fewest_workers(
             passes,
-            first_prefill_share=job.first_prefill_share,
+            first_prefill_share=share,
             min_workers=max(2, fluid or 2),
             max_workers=job.max_workers,
         )
@@ -436,6 +437,7 @@ def gpus_job(job: GpusJob) -> dict[str, Any]:
     tp = job.point.resolved_tp
     out.update(
         found,
+        first_prefill_share=share,
         gpus=None if found["workers"] is None else found["workers"] * tp,
         fluid_min_workers=fluid,
         tp=tp,
@@ -530,25 +532,31 @@ class _Runner:
                 ) from exc
 
     def run(self, items: Sequence[Any], desc: str) -> list[dict[str, Any]]:
+        """Results in the order of ``items``; an item equal to an earlier one (same simulation or same
+        search) is run once, a search found in ``searches.json`` is not run again."""
         results: dict[int, dict[str, Any]] = {}
+        first_of: dict[str, int] = {}
         todo: list[tuple[int, Any]] = []
         for i, item in enumerate(items):
-            cached = self.cache.get(item.name()) if not isinstance(item, SimTask) else None
+            name = item.point.label() if isinstance(item, SimTask) else item.name()
+            if name in first_of:
+                continue
+            first_of[name] = i
+            cached = self.cache.get(name) if not isinstance(item, SimTask) else None
             if cached is not None and not cached.get("error"):
                 results[i] = cached
             else:
                 todo.append((i, item))
-        index = {id(item): i for i, item in todo}
         # the slowest jobs first, so the pool ends evenly
-        ordered = sorted((item for _, item in todo), key=_expected_cost, reverse=True)
-        pending = [(index[id(it)], it) for it in ordered]
+        pending = sorted(todo, key=lambda t: _expected_cost(t[1]), reverse=True)
         for res in _map(_run_job_indexed, pending, self.jobs, desc, self.progress, self.pool):
             i = res.pop("_index")
             results[i] = res
             if res.get("kind") in ("capacity", "gpus") and not res.get("error"):
                 self.cache[res["name"]] = res
                 write_json(self.path, self.cache, indent=1)
-        return [results[i] for i in range(len(items))]
+        names = [item.point.label() if isinstance(item, SimTask) else item.name() for item in items]
+        return [results[first_of[n]] for n in names]
 
     def close(self) -> None:
         if self.pool is not None:
@@ -610,7 +618,7 @@ def run_compare(
         gpus = [r for r in done2 if r["kind"] == "gpus"]
 
         # 3. hindsight-split: static on the best split of each seed (simulated where it is not the grid shape)
-        hindsight = hindsight_split(spec, capacities) if HINDSIGHT_SPLIT in spec.policies else []
+        hindsight = hindsight_split(spec, capacities, saturation) if HINDSIGHT_SPLIT in spec.policies else []
         stage3 = [
             SimTask(pt, False, regime=regime, load_fraction=frac)
             for h in hindsight
@@ -692,9 +700,11 @@ def _stage2_jobs(
                     )
                 if HINDSIGHT_SPLIT in spec.policies:
                     for other in same_gpu_splits(shape):
-                        if other != shape:
-                            pt = spec.point("static", c, other, 1.0, seed)
-                            jobs.append(CapacityJob(pt, thr, False, start, SPLIT_STEP, role="split"))
+                        grid = sat.get((c.key(), other))
+                        if grid and grid["usable"] and math.isclose(grid["thresholds"][seed], thr):
+                            continue  # a grid shape judged on the same SLO rule: stage 1 searched it
+                        pt = spec.point("static", c, other, 1.0, seed)
+                        jobs.append(CapacityJob(pt, thr, False, start, SPLIT_STEP, role="split"))
             for regime, frac in _regimes(spec):
                 for policy in spec.simulated_policies():
                     for seed in seeds:
@@ -704,14 +714,10 @@ def _stage2_jobs(
                         )
         first = sat.get((c.key(), spec.shapes[0]))
         if spec.gpus_needed and first and first["usable"]:
-            n_p, n_d = parse_shape(spec.shapes[0])
             thresholds = tuple(sorted(first["thresholds"].items()))
             for policy in spec.simulated_policies():
                 pt = spec.point(policy, c, spec.shapes[0], 1.0, seeds[0])
-                share = n_p / (n_p + n_d)
-                jobs.append(
-                    GpusJob(pt, thresholds, share, spec.max_workers, artifacts.get(c.model), predictor)
-                )
+                jobs.append(GpusJob(pt, thresholds, spec.max_workers, artifacts.get(c.model), predictor))
     return jobs
 
 
@@ -752,28 +758,35 @@ def _saturation_table(spec: GridSpec, static_caps: Sequence[dict[str, Any]]) -> 
     return rows
 
 
-def hindsight_split(spec: GridSpec, capacities: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def hindsight_split(
+    spec: GridSpec, capacities: Sequence[dict[str, Any]], saturation: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The ``hindsight-split`` baseline per (trace, model, split side, grid shape, seed): the split of
     the same GPUs with the highest static capacity at SLO at that seed (ties keep the grid shape).
 
-    ``capacities`` are the capacity-search results (static on every split, judged on the grid shape's
-    SLO threshold at that seed). Returns one dict per choice: ``shape``, ``grid_shape``, ``load`` (its
-    capacity), ``capacities`` (split -> capacity) and the point fields.
+    ``capacities`` are capacity-search results; a split counts only when it was judged on the grid
+    shape's SLO threshold at that seed (``saturation``, from ``_saturation_table``). Returns one dict per
+    choice: ``shape``, ``grid_shape``, ``load`` (its capacity), ``bracketed``, ``capacities`` (split ->
+    capacity) and the point fields.
     """
-    static = {}
+    static: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in capacities:
         p = r["point"]
         if p["policy"] == "static" and not r.get("error") and r.get("usable", True):
-            static[(p["trace"], p["model"], p["split"], p["shape"], int(p["seed"]))] = float(r["load"])
+            static.setdefault((p["trace"], p["model"], p["split"], p["shape"], int(p["seed"])), []).append(r)
+    rules = {(s["combo"], s["shape"]): s["thresholds"] for s in saturation}
     out = []
     for c in combos(spec):
         for shape in spec.shapes:
             for seed in spec.seed_list():
-                caps = {
-                    s: static[(c.trace, c.model, c.split, s, seed)]
+                thr = rules.get((c.key(), shape), {}).get(seed)
+                found = {
+                    s: r
                     for s in same_gpu_splits(shape)
-                    if (c.trace, c.model, c.split, s, seed) in static
+                    for r in static.get((c.trace, c.model, c.split, s, seed), [])
+                    if thr is not None and math.isclose(float(r["threshold"]), thr)
                 }
+                caps = {s: float(r["load"]) for s, r in found.items()}
                 if shape not in caps:
                     continue
                 best = max(caps, key=lambda s: (caps[s], s == shape))
@@ -786,6 +799,7 @@ def hindsight_split(spec: GridSpec, capacities: Sequence[dict[str, Any]]) -> lis
                         "seed": seed,
                         "shape": best,
                         "load": caps[best],
+                        "bracketed": bool(found[best]["bracketed"]),
                         "capacities": caps,
                     }
                 )

@@ -119,6 +119,27 @@ def capacity_by_key(results: Mapping[str, Any]) -> dict[tuple[Any, ...], dict[st
     return out
 
 
+def unbracketed_by_key(results: Mapping[str, Any]) -> dict[tuple[Any, ...], dict[str, int]]:
+    """(trace, model, split, grid shape) -> policy -> seeds whose capacity search hit a load bound."""
+    out: dict[tuple[Any, ...], dict[str, int]] = {}
+    for c in results.get("capacity", []):
+        if (
+            c.get("error")
+            or not c.get("usable", True)
+            or c.get("role") == "split"
+            or c.get("bracketed", True)
+        ):
+            continue
+        p = c["point"]
+        key = (p["trace"], p["model"], p["split"], p["shape"])
+        out.setdefault(key, {})[p["policy"]] = out.get(key, {}).get(p["policy"], 0) + 1
+    for h in results.get("hindsight", []):
+        if not h.get("bracketed", True):
+            key = (h["trace"], h["model"], h["split"], h["grid_shape"])
+            out.setdefault(key, {})["hindsight-split"] = out.get(key, {}).get("hindsight-split", 0) + 1
+    return out
+
+
 def capacity_bound_by_key(results: Mapping[str, Any]) -> dict[tuple[Any, ...], dict[int, float]]:
     out: dict[tuple[Any, ...], dict[int, float]] = {}
     for b in results.get("capacity_bound", []):
@@ -546,6 +567,7 @@ def throughput_table(results: Mapping[str, Any]) -> list[str]:
 def capacity_table(results: Mapping[str, Any]) -> list[str]:
     caps = capacity_by_key(results)
     limits = capacity_bound_by_key(results)
+    unbracketed = unbracketed_by_key(results)
     itl: dict[tuple[Any, ...], dict[str, list[float]]] = {}
     for c in results.get("capacity", []):
         if c.get("error") or c.get("role") == "split":
@@ -571,7 +593,9 @@ def capacity_table(results: Mapping[str, Any]) -> list[str]:
         bound_seeds = limits.get(key, {})
         for policy in sorted(pols, key=lambda p: (p != "static", p)):
             seeds = pols[policy]
-            cells = [*_key_label(key), policy, mean_cell(stats.mean_interval(seeds.values()))]
+            at_bound = unbracketed.get(key, {}).get(policy, 0)
+            note = f" ({at_bound} seed(s) at the search bound)" if at_bound else ""
+            cells = [*_key_label(key), policy, mean_cell(stats.mean_interval(seeds.values())) + note]
             if policy == "static" or "static" not in pols:
                 cells.append("-")
             else:
@@ -840,7 +864,8 @@ def plot_capacity(
             stats.mean_interval(limit.values()).mean, color="grey", linestyle="--", label="fluid bound"
         )
         axes[0].legend(fontsize=8)
-    axes[0].set_ylabel("capacity at SLO (load factor)")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("capacity at SLO (load factor, log)")
     axes[0].tick_params(axis="x", rotation=20)
     policies = sorted({p for v in grouped.values() for p in v}, key=lambda p: (p != "static", p))
     for ax, metric, label, scale in (
