@@ -152,3 +152,24 @@ def test_poisson_retime_leaves_closed_loop_traces_alone() -> None:
     assert poisson_retime(closed, np.random.default_rng(0)) is closed
     with pytest.raises(ValueError, match="bin_s"):
         poisson_retime(_open_loop([0.0]), np.random.default_rng(0), bin_s=0.0)
+
+
+# ---- simulation points ------------------------------------------------------------------------------
+def test_points_prepare_their_side_and_retime_by_seed() -> None:
+    from train.experiment import Point, prepare_trace
+
+    base = Point(trace="mooncake", max_requests=200)
+    assert base.label() == "static|mooncake|gpt-oss-120b|2P4D|load=1|seed=0"  # defaults keep old labels
+    held = Point(trace="mooncake", max_requests=200, split="heldout", open_loop_arrivals="poisson")
+    assert held.label().endswith("|split=heldout|arrivals=poisson")
+    a, b = prepare_trace(held), prepare_trace(Point(**{**held.to_dict(), "seed": 1}))
+    side = heldout_trace("mooncake").requests[:200]
+    assert [r.input_tokens for r in a.requests] == [r.input_tokens for r in side]
+    assert [r.arrival_s for r in a.requests] != [r.arrival_s for r in b.requests]
+    assert [r.arrival_s for r in prepare_trace(base).requests] == [
+        r.arrival_s for r in load_trace("mooncake").requests[:200]
+    ]
+    with pytest.raises(ValueError, match="split"):
+        Point(split="test")
+    with pytest.raises(ValueError, match="open_loop_arrivals"):
+        Point(open_loop_arrivals="jitter")

@@ -941,13 +941,6 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
     return parse
 
 
-def _load_fraction(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"load fractions must be > 0, got {text!r}")
-    return value
-
-
 def _shape(text: str) -> str:
     try:
         parse_shape(text)
@@ -989,13 +982,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--shapes", type=_csv(_shape), default=None, help="default: 2P4D")
     p.add_argument(
         "--latency-loads",
-        type=_csv(_load_fraction),
+        type=_csv(_positive),
         default=None,
         help="latency regime, fractions of static saturation (default: 0.25,0.5,0.75,1)",
     )
     p.add_argument(
         "--throughput-loads",
-        type=_csv(_load_fraction),
+        type=_csv(_positive),
         default=None,
         help="capacity regime, overload points as fractions of static saturation (default: 1.5,2,3)",
     )

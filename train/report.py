@@ -803,26 +803,33 @@ def _pyplot() -> Any:
     return plt
 
 
+def _policy_lines(
+    ax: Any, grouped: Mapping[tuple[Any, ...], Mapping[str, Any]], metric: str, scale: float
+) -> None:
+    """One error-bar line per policy: ``metric``'s seed mean and interval against the load fraction."""
+    policies = sorted({p for v in grouped.values() for p in v}, key=lambda p: (p != "static", p))
+    for policy in policies:
+        keys = sorted(k for k, v in grouped.items() if policy in v)
+        _errorbar(
+            ax,
+            [k[5] for k in keys],
+            [point_mean(grouped[k][policy], metric) for k in keys],
+            scale,
+            label=policy,
+            color="black" if policy == "static" else None,
+        )
+    ax.grid(alpha=0.3)
+
+
 def plot_latency_vs_load(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
     """TTFT (mean, p99) and ITL (mean, p99) against load, one line per policy, 95 % intervals as bars."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     grouped = by_point([r for r in rows if r["regime"] == "latency"])
-    policies = sorted({p for v in grouped.values() for p in v}, key=lambda p: (p != "static", p))
     for ax, metric in zip(axes.flat, HEADLINE_LATENCY, strict=True):
         name, scale, unit = LATENCY_METRICS[metric]
-        for policy in policies:
-            keys = sorted(k for k, v in grouped.items() if policy in v)
-            _errorbar(
-                ax,
-                [k[5] for k in keys],
-                [point_mean(grouped[k][policy], metric) for k in keys],
-                scale,
-                label=policy,
-                color="black" if policy == "static" else None,
-            )
+        _policy_lines(ax, grouped, metric, scale)
         ax.set_ylabel(f"{name} ({unit})")
-        ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("load (x static saturation)")
     axes[0][0].legend(fontsize=8)
@@ -867,24 +874,13 @@ def plot_capacity(
     axes[0].set_yscale("log")
     axes[0].set_ylabel("capacity at SLO (load factor, log)")
     axes[0].tick_params(axis="x", rotation=20)
-    policies = sorted({p for v in grouped.values() for p in v}, key=lambda p: (p != "static", p))
     for ax, metric, label, scale in (
         (axes[1], "steady_input_tokens_per_s", "steady in tok/s", 1.0),
         (axes[2], "bound_share", "share of fluid bound (%)", 100.0),
     ):
-        for policy in policies:
-            keys = sorted(k for k, v in grouped.items() if policy in v)
-            _errorbar(
-                ax,
-                [k[5] for k in keys],
-                [point_mean(grouped[k][policy], metric) for k in keys],
-                scale,
-                label=policy,
-                color="black" if policy == "static" else None,
-            )
+        _policy_lines(ax, grouped, metric, scale)
         ax.set_xlabel("load (x static saturation)")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
     axes[2].axhline(100.0, color="grey", linestyle="--")
     axes[1].legend(fontsize=8)
     fig.suptitle(f"{title}: capacity regime (95 % intervals over seeds)")
