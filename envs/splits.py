@@ -119,7 +119,7 @@ def trace_side(name: str, side: str = ALL) -> Trace:
         return trace
     if side not in SIDES:
         raise ValueError(f"split side must be 'all', 'dev' or 'heldout', got {side!r}")
-    return split_trace(trace, side, name)  # type: ignore[arg-type]
+    return split_trace(trace, side, name)
 
 
 def development_trace(name: str) -> Trace:

@@ -800,6 +800,7 @@ def hindsight_split(
                         "shape": best,
                         "load": caps[best],
                         "bracketed": bool(found[best]["bracketed"]),
+                        "itl_p99_s": found[best].get("itl_p99_s", math.nan),
                         "capacities": caps,
                     }
                 )

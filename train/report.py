@@ -573,9 +573,11 @@ def capacity_table(results: Mapping[str, Any]) -> list[str]:
         if c.get("error") or c.get("role") == "split":
             continue
         p = c["point"]
-        itl.setdefault((p["trace"], p["model"], p["split"], p["shape"]), {}).setdefault(
-            p["policy"], []
-        ).append(float(c.get("itl_p99_s", math.nan)))
+        key = (p["trace"], p["model"], p["split"], p["shape"])
+        itl.setdefault(key, {}).setdefault(p["policy"], []).append(float(c.get("itl_p99_s", math.nan)))
+    for h in results.get("hindsight", []):
+        key = (h["trace"], h["model"], h["split"], h["grid_shape"])
+        itl.setdefault(key, {}).setdefault("hindsight-split", []).append(float(h.get("itl_p99_s", math.nan)))
     head = [
         "trace",
         "model",
