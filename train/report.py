@@ -722,13 +722,13 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
     lines += gpus_table(results)
     if results.get("hindsight"):
         lines += ["", "## hindsight-split: the split chosen per seed (highest static capacity at SLO)", ""]
-        body = []
+        merged: dict[tuple[Any, ...], list[str]] = {}  # grid shapes of the same GPUs share a choice
         for h in results["hindsight"]:
             caps = ", ".join(f"{s} {v:.3g}" for s, v in sorted(h["capacities"].items()))
-            body.append(
-                [h["trace"], h["model"], h["split"], h["grid_shape"], str(h["seed"]), h["shape"], caps]
-            )
-        lines += _table(["trace", "model", "split", "grid shape", "seed", "chosen", "capacities"], body)
+            key = (h["trace"], h["model"], h["split"], str(h["seed"]), h["shape"], caps)
+            merged.setdefault(key, []).append(h["grid_shape"])
+        body = [[*k[:3], ", ".join(shapes), *k[3:]] for k, shapes in merged.items()]
+        lines += _table(["trace", "model", "split", "grid shapes", "seed", "chosen", "capacities"], body)
     lines += [
         "",
         "## Targets (computed, not asserted)",
