@@ -8,6 +8,11 @@ process is chosen here: a homogeneous Poisson process or a non-homogeneous one f
 rate; :func:`scale_load` leaves a closed-loop trace unchanged and :func:`session_rate_for_load` gives
 the rate to use.
 
+Open-loop traces are one recording, so a seed has nothing to vary unless the arrivals are perturbed:
+:func:`poisson_retime` re-draws the arrival times as a Poisson process at the trace's own per-minute
+rate (every minute keeps its requests and their order; the spacing inside the minute is drawn),
+which is what ``crossflow compare`` does with each seed.
+
 Every random function takes a ``numpy.random.Generator`` (or a seed), never global state.
 """
 
@@ -70,6 +75,40 @@ def curve_session_starts(
     # side='right' skips zero-rate windows (equal knots), so the chosen window has a positive rate
     idx = np.searchsorted(knots, targets, side="right") - 1
     return rel[idx] + (targets - knots[idx]) / rates[idx]
+
+
+RETIME_BIN_S = 60.0
+"""Width of the bins whose request counts :func:`poisson_retime` keeps (one minute)."""
+
+
+def poisson_retime(trace: Trace, rng: np.random.Generator, bin_s: float = RETIME_BIN_S) -> Trace:
+    """A seeded realisation of an open-loop trace: Poisson arrivals at the trace's per-minute rate.
+
+    Within every bin ``[k * bin_s, (k + 1) * bin_s)`` of the recording, the arrival times of the bin's
+    ``n`` requests are re-drawn as ``n`` sorted uniform draws over the bin (a Poisson process
+    conditioned on the bin's count) and handed out in request order. So every bin keeps exactly its
+    requests (the offered load of each minute is unchanged), request order is kept (a prefix parent
+    still arrives before its children), and the spacing inside a minute is random. Requests keep
+    their ids; ``meta["retime_bin_s"]`` records the bin. Closed-loop traces are returned unchanged
+    (their seed drives the session start process instead).
+    """
+    if not (bin_s > 0 and math.isfinite(bin_s)):
+        raise ValueError(f"bin_s must be positive and finite, got {bin_s}")
+    if trace.closed_loop or not trace.requests:
+        return trace
+    arrivals = np.array([r.arrival_s for r in trace.requests], dtype=np.float64)
+    if np.any(np.diff(arrivals) < 0):
+        raise ValueError(f"trace {trace.name!r}: open-loop arrivals must be in request order to re-time")
+    bins = np.floor(arrivals / bin_s).astype(np.int64)
+    new_arrivals = np.empty_like(arrivals)
+    start = 0
+    for end in [*(np.flatnonzero(np.diff(bins)) + 1).tolist(), len(bins)]:
+        draws = np.sort(rng.uniform(0.0, bin_s, size=end - start))
+        new_arrivals[start:end] = bins[start] * bin_s + draws
+        start = end
+    requests = [replace(r, arrival_s=float(t)) for r, t in zip(trace.requests, new_arrivals, strict=True)]
+    meta = {**trace.meta, "retime_bin_s": bin_s}
+    return Trace(trace.name, requests, False, trace.source, trace.block_size_tokens, meta)
 
 
 def load_servegen_curve(

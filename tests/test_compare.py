@@ -1,4 +1,4 @@
-"""`crossflow compare`: load matching, oracle, gains and targets by hand, an end-to-end run, W&B offline."""
+"""`crossflow compare`: the searches on synthetic responses, the seed summaries by hand, end to end, W&B."""
 
 from __future__ import annotations
 
@@ -14,171 +14,227 @@ from typing import Any
 import pytest
 
 from train import report
-from train.compare import GridSpec, oracle_shapes, run_compare
-from train.saturation import LOAD_BOUNDS, find_saturation, saturation_search, served_slo_share
+from train.compare import GridSpec, hindsight_split, run_compare, same_gpu_splits
+from train.saturation import (
+    CAPACITY_RESOLUTION,
+    IDLE_LOAD,
+    LOAD_BOUNDS,
+    capacity_search,
+    fewest_workers,
+    find_capacity,
+    served_slo_share,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _metrics(**over: float) -> dict[str, float]:
-    base = {
-        "n_requests": 10,
-        "n_finished": 10,
-        "input_tokens_per_s": 100.0,
-        "output_tokens_per_s": 10.0,
-        "ttft_mean_s": 1.0,
-        "ttft_p99_s": 4.0,
-        "itl_mean_s": 0.010,
-        "itl_p99_s": 0.020,
-        "borrowed_share": 0.0,
-        "lease_utilisation": 0.0,
-    }
-    return {**base, **over}
-
-
-def _row(policy: str, shape: str, load: float, oracle_share: float | None = None, **metrics: float) -> dict:
-    point = {"policy": policy, "trace": "t", "model": "m", "shape": shape, "load": load}
-    return {
-        "point": point,
-        "load_fraction": load,
-        "metrics": _metrics(**metrics),
-        "oracle_share": oracle_share,
-    }
-
-
-# ---- load matching -------------------------------------------------------------------------------------
-def test_find_saturation_brackets_a_step_within_resolution() -> None:
+# ---- capacity at SLO: bracketing search ---------------------------------------------------------------
+def test_find_capacity_brackets_a_monotone_response_within_2_percent() -> None:
+    # a smooth, monotone SLO share that crosses 90 % at load 0.6
     def share_at(load: float) -> float:
-        return 0.95 if load <= 0.3 else 0.5
+        return 1.0 - load / 6.0
 
-    load, bracketed, probes = find_saturation(share_at, resolution=1.1)
-    assert bracketed
-    assert 0.3 / 1.1 < load <= 0.3
-    # 1 -> 0.5 -> 0.25 pass, then bisection of [0.25, 0.5] down to a 1.1 bracket: 3 steps.
-    assert [round(x, 4) for x, _ in probes[:3]] == [1.0, 0.5, 0.25]
-    assert len(probes) == 6
+    load, fail, bracketed, probes = find_capacity(share_at, threshold=0.9)
+    assert bracketed and fail is not None
+    assert share_at(load) >= 0.9 > share_at(fail)
+    assert load <= 0.6 < fail and fail / load <= CAPACITY_RESOLUTION
+    assert 0.6 / load < CAPACITY_RESOLUTION
+    # 1 fails, 0.5 passes, then bisection of [0.5, 1] down to 2 %: 6 more probes
+    assert [round(x, 4) for x, _ in probes[:2]] == [1.0, 0.5]
+    assert len(probes) == 2 + 6
     assert all(share_at(x) == s for x, s in probes)
 
 
-def test_find_saturation_reports_bounds_when_not_bracketed() -> None:
-    load, bracketed, _ = find_saturation(lambda _: 1.0)
-    assert (load, bracketed) == (LOAD_BOUNDS[1], False)
-    load, bracketed, probes = find_saturation(lambda _: 0.0)
+def test_find_capacity_from_a_nearby_start_takes_fewer_probes() -> None:
+    def share_at(load: float) -> float:
+        return 1.0 - load / 13.0  # 90 % at 1.3
+
+    load, fail, bracketed, probes = find_capacity(share_at, threshold=0.9, start_load=1.0, step=1.25)
+    assert bracketed and load <= 1.3 < fail and fail / load <= CAPACITY_RESOLUTION
+    assert [round(x, 4) for x, _ in probes[:3]] == [1.0, 1.25, 1.5625]
+    assert len(probes) < 8
+
+
+def test_find_capacity_reports_bounds_when_not_bracketed() -> None:
+    load, fail, bracketed, _ = find_capacity(lambda _: 1.0)
+    assert (load, fail, bracketed) == (LOAD_BOUNDS[1], None, False)
+    load, fail, bracketed, probes = find_capacity(lambda _: 0.0)
     assert (load, bracketed) == (LOAD_BOUNDS[0], False)
     assert min(x for x, _ in probes) >= LOAD_BOUNDS[0]
+    with pytest.raises(ValueError, match="step"):
+        find_capacity(lambda _: 1.0, step=1.0)
 
 
-def test_saturation_search_falls_back_to_the_idle_share() -> None:
+def test_capacity_search_falls_back_to_the_idle_share() -> None:
     calls: list[float] = []
 
     def plateau(load: float) -> float:  # misses the SLO for 20 % of requests even when idle
         calls.append(load)
         return 0.8 if load <= 0.25 else 0.5
 
-    found = saturation_search(plateau)
+    found = capacity_search(plateau)
     assert found["relative"] and found["usable"] and found["bracketed"]
     assert found["idle_share"] == pytest.approx(0.8)
+    assert calls[:2] == [1.0, IDLE_LOAD]  # the idle share is probed at once, not by halving down to it
     assert found["threshold"] == pytest.approx(0.72)
-    assert 0.25 / 1.1 < found["load"] <= 0.25
+    assert 0.25 / CAPACITY_RESOLUTION < found["load"] <= 0.25
     assert len(calls) == len(set(calls)) == len(found["probes"])  # no load simulated twice
-    absolute = saturation_search(lambda load: 0.95 if load <= 0.3 else 0.5)
-    assert not absolute["relative"] and absolute["threshold"] == 0.9 and absolute["idle_share"] is None
-    assert not saturation_search(lambda _: 0.0)["usable"]
+    absolute = capacity_search(lambda load: 0.95 if load <= 0.3 else 0.5)
+    assert not absolute["relative"] and absolute["threshold"] == 0.9 and absolute["idle_share"] is not None
+    assert not capacity_search(lambda _: 0.0)["usable"]
+    # without the fallback a policy is held to the threshold it is given
+    held = capacity_search(plateau, threshold=0.72, relative_fallback=False)
+    assert held["idle_share"] is None and held["load"] == pytest.approx(found["load"], rel=0.03)
 
 
 def test_served_slo_share_counts_unfinished_requests_as_misses() -> None:
     # 10 requests, 2 rejected (outside the denominator), 6 within SLO, the rest missed or unfinished
     assert served_slo_share({"n_requests": 10, "n_rejected": 2, "n_slo_met": 6}) == pytest.approx(0.75)
     assert served_slo_share({"n_requests": 2, "n_rejected": 2, "n_slo_met": 0}) == 0.0
-    assert served_slo_share({"n_requests": 0, "n_rejected": 0, "n_slo_met": 0}) == 0.0
 
 
-# ---- oracle ----------------------------------------------------------------------------------------------
-def test_oracle_shapes_keep_the_gpu_count() -> None:
-    assert oracle_shapes("2P4D") == ["1P5D", "2P4D", "3P3D", "4P2D", "5P1D"]
-    assert oracle_shapes("1p1d") == ["1P1D"]
+# ---- GPUs needed: the split walk and the worker search ----------------------------------------------------
+def test_fewest_workers_on_a_synthetic_cluster() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def passes(n_prefill: int, n_decode: int) -> tuple[bool, str]:
+        calls.append((n_prefill, n_decode))  # needs 4 prefill and 2 decode workers
+        if n_prefill < 4:
+            return False, "prefill"
+        return n_decode >= 2, "decode"
+
+    found = fewest_workers(passes, first_prefill_share=1 / 3, min_workers=2, max_workers=32)
+    assert (found["workers"], found["shape"]) == (6, "4P2D")
+    assert len(calls) == len(set(calls))  # no split evaluated twice
+    assert all(
+        ok == (p.startswith(("4P", "5P", "6P")) and not p.endswith("1D")) for p, ok, _ in found["probes"]
+    )
+    assert fewest_workers(passes, first_prefill_share=0.5, max_workers=5)["workers"] is None
 
 
-def test_choose_oracle_respects_the_itl_bound_and_finished_count() -> None:
-    original = _metrics(input_tokens_per_s=100.0, itl_mean_s=0.010)
-    cands = {
-        "2P4D": original,
-        "3P3D": _metrics(input_tokens_per_s=120.0, itl_mean_s=0.0105),  # exactly +5 %: allowed
-        "4P2D": _metrics(input_tokens_per_s=150.0, itl_mean_s=0.0106),  # +6 %: excluded
-        "1P5D": _metrics(input_tokens_per_s=130.0, itl_mean_s=0.009, n_finished=9),  # drops a request
+# ---- hindsight split ------------------------------------------------------------------------------------
+def test_same_gpu_splits_keep_the_worker_count() -> None:
+    assert same_gpu_splits("2P4D") == ["1P5D", "2P4D", "3P3D", "4P2D", "5P1D"]
+    assert same_gpu_splits("1p1d") == ["1P1D"]
+
+
+def _cap(policy: str, shape: str, seed: int, load: float, threshold: float = 0.9) -> dict[str, Any]:
+    point = {"policy": policy, "trace": "t", "model": "m", "split": "heldout", "shape": shape, "seed": seed}
+    return {
+        "point": point,
+        "load": load,
+        "usable": True,
+        "error": None,
+        "role": "capacity",
+        "threshold": threshold,
+        "bracketed": True,
     }
-    assert report.choose_oracle(original, cands, "2P4D") == "3P3D"
-    # A negligible gain (below MIN_ORACLE_GAIN) is no re-roling.
-    tiny = {"2P4D": original, "3P3D": _metrics(input_tokens_per_s=100.05)}
-    assert report.choose_oracle(original, tiny, "2P4D") == "2P4D"
 
 
-def test_oracle_share_by_hand() -> None:
-    assert report.oracle_share(110.0, 100.0, 120.0) == pytest.approx(0.5)
-    assert report.oracle_share(130.0, 100.0, 120.0) == pytest.approx(1.5)  # leases may beat re-roling
-    assert report.oracle_share(95.0, 100.0, 120.0) == pytest.approx(-0.25)
-    assert report.oracle_share(110.0, 100.0, 100.0) is None
-    assert report.oracle_share(math.nan, 100.0, 120.0) is None
-
-
-# ---- gains and targets -----------------------------------------------------------------------------------
-def test_geo_mean_change_by_hand() -> None:
-    # geo-mean of 1.1 and 1.21 is 1.1 * sqrt(1.1)
-    assert report.geo_mean_change([1.1, 1.21]) == pytest.approx(1.1 * math.sqrt(1.1) - 1.0)
-    assert report.geo_mean_change([2.0, 0.5]) == pytest.approx(0.0)
-    assert report.geo_mean_change([math.nan, 0.0, -1.0]) is None
-
-
-def _fixture() -> list[dict]:
-    return [
-        _row("static", "2P4D", 0.5),
-        _row(
-            "heuristic",
-            "2P4D",
-            0.5,
-            0.5,
-            input_tokens_per_s=110.0,
-            output_tokens_per_s=12.1,
-            ttft_mean_s=0.5,
-            ttft_p99_s=2.0,
-            itl_mean_s=0.0104,
-        ),
-        _row("static", "2P4D", 1.0, input_tokens_per_s=200.0),
-        _row(
-            "heuristic",
-            "2P4D",
-            1.0,
-            1.0,
-            input_tokens_per_s=242.0,
-            output_tokens_per_s=12.1,
-            ttft_mean_s=0.9,
-            ttft_p99_s=4.4,
-            itl_mean_s=0.0100,
-        ),
-        _row("static", "4P2D", 1.0),
-        _row("heuristic", "4P2D", 1.0, None, input_tokens_per_s=98.0),
+def test_hindsight_split_picks_the_best_capacity_per_seed() -> None:
+    spec = GridSpec(
+        policies=("static", "hindsight-split"), traces=("t",), models=("m",), shapes=("1P2D",), seeds=2
+    )
+    caps = [
+        _cap("static", "1P2D", 0, 1.0),
+        _cap("static", "2P1D", 0, 1.5),
+        _cap("static", "1P2D", 1, 1.2),
+        _cap("static", "2P1D", 1, 1.2),  # a tie keeps the grid shape
+        _cap("heuristic", "2P1D", 1, 9.0),  # only static splits count
+        _cap("static", "2P1D", 1, 5.0, threshold=0.5),  # judged on another SLO rule: ignored
     ]
+    saturation = [{"combo": "t|m|heldout", "shape": "1P2D", "thresholds": {0: 0.9, 1: 0.9}}]
+    chosen = {h["seed"]: (h["shape"], h["load"]) for h in hindsight_split(spec, caps, saturation)}
+    assert chosen == {0: ("2P1D", 1.5), 1: ("1P2D", 1.2)}
 
 
-def test_summarise_geo_mean_over_headline_points() -> None:
-    row = report.summarise(_fixture())["heuristic"]
-    assert (row["n_points"], row["n_headline_points"]) == (3, 2)
-    assert row["input_tokens_per_s_change"] == pytest.approx(1.1 * math.sqrt(1.1) - 1.0)
-    assert row["output_tokens_per_s_change"] == pytest.approx(0.21)
-    assert row["ttft_mean_s_change"] == pytest.approx(math.sqrt(0.5 * 0.9) - 1.0)
-    assert row["input_tokens_per_s_change_all"] == pytest.approx((1.1 * 1.21 * 0.98) ** (1 / 3) - 1.0)
-    assert row["oracle_share_mean"] == pytest.approx(0.75)
+# ---- seed summaries by hand ---------------------------------------------------------------------------
+def _row(policy: str, seed: int, regime: str, frac: float, shape: str = "2P4D", **m: float) -> dict[str, Any]:
+    metrics = {k: 1.0 for k in report.LATENCY_METRICS} | {"slo_attainment": 1.0} | m
+    steady = {
+        "input_tokens_per_s": m.get("steady_in", 100.0),
+        "output_tokens_per_s": 10.0,
+        "work_per_s": m.get("work", 1.0),
+    }
+    return {
+        "policy": policy,
+        "trace": "t",
+        "model": "m",
+        "split": "heldout",
+        "shape": shape,
+        "seed": seed,
+        "regime": regime,
+        "load_fraction": frac,
+        "metrics": metrics,
+        "steady": steady,
+        "bound": {"work_per_s": 2.0, "binding": "capacity"},
+    }
 
 
-def test_targets_are_computed_per_point() -> None:
-    status = {t["target"]: t["status"] for t in report.evaluate_targets(_fixture())["heuristic"]}
-    by_prefix = {k.split(" ")[0] + " " + k.split(" ")[1]: v for k, v in status.items()}
-    assert by_prefix["in tok/s"] == "MISS"  # +15.4 % < +17.4 %
-    assert by_prefix["out tok/s"] == "PASS"  # +21 %
-    assert by_prefix["TTFT mean"] == "PASS"
-    assert by_prefix["TTFT p99"] == "MISS"  # +10 % at load 1.0
-    assert by_prefix["ITL mean"] == "PASS"  # worst +4 %
-    assert by_prefix["4P2D: no"] == "MISS"  # -2 % input throughput
+def _results() -> dict[str, Any]:
+    points = [
+        _row("static", 0, "latency", 0.5, ttft_mean_s=2.0),
+        _row("static", 1, "latency", 0.5, ttft_mean_s=2.0),
+        _row("h", 0, "latency", 0.5, ttft_mean_s=1.0),  # -50 %
+        _row("h", 1, "latency", 0.5, ttft_mean_s=1.0),  # -50 %
+        _row("static", 0, "latency", 1.0, ttft_mean_s=4.0),
+        _row("static", 1, "latency", 1.0, ttft_mean_s=4.0),
+        _row("h", 0, "latency", 1.0, ttft_mean_s=4.0),  # 0 %
+        _row("h", 1, "latency", 1.0, ttft_mean_s=4.0),
+        _row("static", 0, "throughput", 2.0, steady_in=100.0, work=1.0),
+        _row("static", 1, "throughput", 2.0, steady_in=100.0, work=1.0),
+        _row("h", 0, "throughput", 2.0, steady_in=121.0, work=1.5),
+        _row("h", 1, "throughput", 2.0, steady_in=100.0, work=1.5),
+        _row("static", 0, "latency", 0.5, shape="4P2D"),
+        _row("static", 1, "latency", 0.5, shape="4P2D"),
+        _row("h", 0, "latency", 0.5, shape="4P2D", itl_p99_s=1.2),
+        _row("h", 1, "latency", 0.5, shape="4P2D", itl_p99_s=1.21),
+    ]
+    caps = [_cap("static", "2P4D", s, 1.0) for s in (0, 1)] + [_cap("h", "2P4D", s, 1.1) for s in (0, 1)]
+    bounds = [{"combo": "t|m|heldout", "shape": "2P4D", "seed": s, "load": 4.0} for s in (0, 1)]
+    return {"points": points, "capacity": caps, "capacity_bound": bounds, "hindsight": []}
+
+
+def test_summarise_geo_means_per_seed_then_intervals() -> None:
+    summary = report.summarise(_results())
+    head = summary["h"]["heldout"]["headline"]
+    # per seed: geo-mean of 0.5 and 1.0 over the two latency points = sqrt(0.5); same for both seeds
+    assert head["ttft_mean_s"]["mean"] == pytest.approx(math.sqrt(0.5) - 1)
+    assert head["ttft_mean_s"]["n"] == 2 and head["ttft_mean_s"]["verdict"] == "win"  # zero-width interval
+    # throughput: seeds +21 % and 0 %: geo-mean +10 %, interval wide (2 seeds): not significant
+    steady = head["steady_input_tokens_per_s"]
+    assert steady["mean"] == pytest.approx(0.1) and steady["verdict"] == "n.s."
+    assert (
+        head["capacity_at_slo"]["mean"] == pytest.approx(0.1) and head["capacity_at_slo"]["verdict"] == "win"
+    )
+    assert head["bound_share"]["mean"] == pytest.approx(0.75)  # 1.5 of a bound of 2
+    assert head["gap_closed"]["mean"] == pytest.approx(0.5)  # (1.5 - 1) / (2 - 1)
+    assert head["capacity_bound_share"]["mean"] == pytest.approx(1.1 / 4.0)
+    assert summary["static"]["heldout"]["headline"]["bound_share"]["mean"] == pytest.approx(0.5)
+    guard = summary["h"]["heldout"]["guard"]
+    assert guard["itl_p99_s"]["verdict"] == "loss" and guard["itl_p99_s"]["mean"] == pytest.approx(
+        math.sqrt(1.2 * 1.21) - 1
+    )
+
+
+def test_targets_read_the_intervals() -> None:
+    status = {
+        t["target"].split(": ")[0].split("] ")[1]: t["status"]
+        for t in report.evaluate_targets(_results())["h"]
+    }
+    assert status["in tok/s at overload"] == "MISS"  # +10 % < +17.4 %
+    assert status["TTFT mean"] == "PASS"
+    assert status["4P2D"] == "MISS"  # ITL p99 +20 %, a claimed loss
+
+
+def test_cells_format_intervals_and_verdicts() -> None:
+    assert report.change_cell({"mean": -0.1234, "low": -0.15, "high": -0.09, "n": 3, "verdict": "win"}) == (
+        "-12.3 % [-15.0, -9.0] win"
+    )
+    assert report.change_cell(
+        {"mean": 0.5, "low": math.nan, "high": math.nan, "n": 1, "verdict": "n.s."}
+    ) == ("+50.0 % [no interval] n.s.")
+    assert report.mean_cell({"mean": 3.0, "low": 2.0, "high": 4.0, "n": 3}) == "3 ± 1"
 
 
 def test_normalise_reason_groups_numbers() -> None:
@@ -192,58 +248,53 @@ def test_normalise_reason_groups_numbers() -> None:
 def test_compare_cli_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [
-        sys.executable,
-        "-m",
-        "train.cli",
-        "compare",
-        "--policies",
-        "static,utilisation",
-        "--traces",
-        "mooncake",
-        "--max-requests",
-        "30",
-        "--loads",
-        "0.5,1.0",
-        "--jobs",
-        "2",
-        "--no-wandb",
-        "--no-progress",
-        "--out",
-        str(out),
-        "--json",
-        str(tmp_path / "copy.json"),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        sys.executable, "-m", "train.cli", "compare",
+        "--policies", "static,utilisation,hindsight-split",
+        "--traces", "mooncake", "--max-requests", "60", "--seeds", "2",
+        "--latency-loads", "0.5,1", "--throughput-loads", "2", "--max-workers", "8",
+        "--jobs", "2", "--no-wandb", "--no-progress",
+        "--out", str(out), "--json", str(tmp_path / "copy.json"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert json.loads((tmp_path / "copy.json").read_text())["points"] == results["points"]
-    assert len(results["points"]) == 4
-    assert {"run_id", "grid", "saturation", "points", "summary", "targets", "wall_s"} <= results.keys()
+    keys = {
+        "grid",
+        "saturation",
+        "capacity",
+        "capacity_bound",
+        "hindsight",
+        "gpus_needed",
+        "points",
+        "summary",
+    }
+    assert keys <= results.keys()
     (sat,) = results["saturation"]
+    assert sat["usable"] and set(sat["loads"]) == {"0", "1"}
+    # 3 policies x 3 loads x 2 seeds
+    assert len(results["points"]) == 18
     for p in results["points"]:
-        assert {"policy", "trace", "model", "gpu", "tp", "shape", "load", "seed", "max_requests"} <= p[
-            "point"
-        ].keys()
-        assert {"input_tokens_per_s", "ttft_p99_s", "itl_mean_s", "lease_utilisation"} <= p["metrics"].keys()
         assert p["point"]["load"] == pytest.approx(p["load_fraction"] * sat["load"])
-        assert "oracle_share" in p and p["oracle_shape"] in oracle_shapes("2P4D")
-    # identical arrivals per point: both policies see the same requests at the same load
-    by_load: dict[float, set] = {}
+        assert p["point"]["split"] == "heldout" and p["point"]["open_loop_arrivals"] == "poisson"
+    # paired seeds: at a (load, seed) every policy saw the same arrivals; seeds differ
+    arrivals: dict[tuple[float, int], set[float]] = {}
     for p in results["points"]:
-        by_load.setdefault(p["load_fraction"], set()).add((p["point"]["load"], p["metrics"]["n_requests"]))
-    assert all(len(v) == 1 for v in by_load.values())
-    assert len(results["oracle_candidates"]) == 2 * 4  # the 4 other splits at each load
+        arrivals.setdefault((p["load_fraction"], p["seed"]), set()).add(p["steady"]["window"][1])
+    assert all(len(v) == 1 for v in arrivals.values())
+    assert arrivals[(2.0, 0)] != arrivals[(2.0, 1)]
+    gpus = {g["point"]["policy"]: g for g in results["gpus_needed"]}
+    assert set(gpus) == {"static", "utilisation"} and all(g["workers"] for g in gpus.values())
     md = (out / "report.md").read_text()
-    assert "| trace | model | shape | load (x sat) | policy | in tok/s" in md
-    assert "## Targets" in md and "utilisation" in md
-    pngs = sorted(out.glob("*.png"))
-    assert [p.name for p in pngs] == [
-        "latency_mooncake_gpt-oss-120b_2P4D.png",
-        "timeline_mooncake_gpt-oss-120b_2P4D.png",
-    ]
-    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
-    # a second run in the same folder reuses the cached saturation search
-    assert json.loads((out / "saturation.json").read_text())
+    assert "## Headline" in md and "capacity at SLO" in md and "share of bound" in md
+    assert "## GPUs needed" in md and "2 seed(s)" in md
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    slug = "mooncake_gpt-oss-120b_heldout_2P4D"
+    assert pngs == [f"capacity_{slug}.png", f"latency_{slug}.png", f"timeline_{slug}.png"]
+    assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    # a second run in the same folder reuses every cached search
+    cached = json.loads((out / "searches.json").read_text())
+    assert sum(1 for k in cached if k.startswith("capacity|")) == len(results["capacity"])
 
 
 class ConstantPredictor:
@@ -258,15 +309,19 @@ def test_heuristic_with_injected_predictor_records_reasons(tmp_path: Path) -> No
         policies=("static", "heuristic"),
         traces=("mooncake",),
         max_requests=40,
-        load_fractions=(1.0,),
-        oracle=False,
+        seeds=1,
+        latency_loads=(1.0,),
+        throughput_loads=(2.0,),
+        gpus_needed=False,
     )
     results = run_compare(spec, tmp_path, jobs=1, predictor=ConstantPredictor())
-    heur = next(p for p in results["points"] if p["point"]["policy"] == "heuristic")
-    assert heur["error"] is None, heur["error"]
-    assert heur["time_capped"] is False  # capped at 4x the static replay + 1 h, finished well before
-    assert sum(heur["reasons"].values()) > 0
-    assert all(k.startswith(("decision/", "arrival/")) for k in heur["reasons"])
+    assert not results["failed"]
+    heur = [p for p in results["points"] if p["policy"] == "heuristic"]
+    assert len(heur) == 2 and all(p["time_capped"] is False for p in heur)
+    assert sum(sum(p["reasons"].values()) for p in heur) > 0
+    assert all(k.startswith(("decision/", "arrival/")) for p in heur for k in p["reasons"])
+    caps = {c["point"]["policy"]: c for c in results["capacity"]}
+    assert caps["heuristic"]["threshold"] == caps["static"]["threshold"]  # judged on static's SLO rule
 
 
 # ---- W&B -------------------------------------------------------------------------------------------------
@@ -308,5 +363,10 @@ def test_bad_names_fail_before_any_simulation(tmp_path: Path, capsys: pytest.Cap
     out = tmp_path / "never"
     assert main(["compare", "--policies", "static,nope", "--out", str(out), "--no-wandb"]) == 2
     assert "--policies: unknown policy 'nope'" in capsys.readouterr().err
+    assert main(["compare", "--policies", "heuristic", "--out", str(out), "--no-wandb"]) == 2
+    assert "must include static" in capsys.readouterr().err
     assert main(["compare", "--traces", "nope", "--out", str(out), "--no-wandb"]) == 2
+    with pytest.raises(SystemExit) as exc:  # argparse rejects a bad side itself
+        main(["compare", "--splits", "test", "--out", str(out), "--no-wandb"])
+    assert exc.value.code == 2 and "split sides are" in capsys.readouterr().err
     assert not out.exists()

@@ -1,13 +1,21 @@
-"""`crossflow compare`: policies x traces x models x shapes x matched loads, against static and an oracle.
+"""`crossflow compare`: policies vs static PD in two regimes, over seeds, against a fluid upper bound.
 
-Contract: every simulated point is deterministic in its ``Point`` (same seed, same arrivals for every
-policy at a point). Loads are *matched*: a grid load of 0.85 means 85 % of the static cluster's
-saturation load for that (trace, model, shape), found by :func:`find_saturation` and cached in the run
-folder (``saturation.json``). For each (trace, model, shape, load) the oracle simulates static on every
-xPyD split of the same GPU count and keeps the best in hindsight (``train.report.choose_oracle``).
+For every (trace, model, shape, split side) and every seed (see ``docs/compare.md``):
 
-The run folder gets ``results.json``, ``report.md``, PNGs, and (unless ``--no-wandb``) one offline W&B
-run per grid point under ``wandb/``. See ``docs/compare.md``.
+1. **Static saturation.** Static's capacity at SLO per seed (``train.saturation.capacity_search``, to
+   within 2 %); the geometric mean over seeds anchors the load points.
+2. **Capacity regime.** Every other policy's capacity at SLO per seed (same SLO threshold as static at
+   that seed), and throughput over the steady window at ``throughput_loads`` x saturation.
+3. **Latency regime.** TTFT and ITL at ``latency_loads`` x saturation.
+4. **Baselines and bounds.** ``hindsight-split`` (static on the split with the best capacity at SLO, in
+   hindsight, per seed), the fluid bound (``train.bound``) and the fewest GPUs that serve the trace at
+   its recorded rate within SLO, per policy.
+
+Every policy at a (point, seed) replays the same arrivals (open-loop traces are re-timed per seed,
+``envs.arrivals.poisson_retime``; closed-loop ones draw their session starts from the seed), so
+changes vs static are paired by seed (``train.stats``). The run folder gets ``results.json``,
+``report.md``, PNGs, ``searches.json`` (the cached searches; rerunning into the folder reuses them) and,
+unless ``--no-wandb``, one offline W&B run per (policy, point).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import functools
+import itertools
 import json
 import math
 import os
@@ -27,36 +36,69 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from envs.cluster_config import parse_shape
 from envs.hardware import Precision
 from envs.request import Trace
-from train import report
-from train.experiment import Point, default_tp, prepare_trace, run_point
+from envs.splits import ALL, SIDES
+from policies.slo import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
+from train import bound, report
+from train.experiment import (
+    DEFAULT_SESSION_RATE_PER_S,
+    OPEN_LOOP_ARRIVALS,
+    Point,
+    default_tp,
+    prepare_trace,
+    run_point,
+    session_rate,
+)
 from train.jsonio import write_json
 from train.model_args import add_model_arguments, apply_models_dir, check_model, model_options
-from train.saturation import SATURATION_THRESHOLD, _saturation_job, served_slo_share
+from train.saturation import (
+    CAPACITY_RESOLUTION,
+    SLO_SHARE_TARGET,
+    capacity_search,
+    fewest_workers,
+    served_slo_share,
+)
 
-DEFAULT_POLICIES = ("static", "heuristic")
-DEFAULT_TRACES = ("agent", "mooncake")
+HINDSIGHT_SPLIT = "hindsight-split"
+"""Grid-level baseline (not a node policy): static on the split of the same GPUs with the highest
+capacity at SLO, chosen per seed after the fact (``hindsight_split``)."""
+GRID_BASELINES = (HINDSIGHT_SPLIT,)
+
+DEFAULT_POLICIES = ("static", "heuristic", HINDSIGHT_SPLIT)
+DEFAULT_TRACES = ("mooncake",)
+"""The default grid (under 2 minutes on 2 cores) runs the open-loop Mooncake trace only: a lending
+simulation of the agent trace costs 5-12 s, and a seeded capacity search needs ~6 of them per seed."""
 DEFAULT_MODELS = ("gpt-oss-120b",)
 DEFAULT_SHAPES = ("2P4D",)
-DEFAULT_LOADS = (0.5, 1.0, 1.5, 2.0)
-"""Fractions of static saturation: half load and saturation (the latency regime), 1.5x and 2x (static
-cannot keep up: the throughput regime where borrowed capacity shows as served tokens)."""
-DEFAULT_SUBSET = {"agent": 60, "mooncake": 2000, "mooncake-synthetic": 2000, "azure-code": 2000}
-"""Default grid: first N sessions (agent) or requests (open-loop) so the whole run takes minutes."""
+LATENCY_LOADS = (0.25, 0.5, 0.75, 1.0)
+"""Latency regime: fractions of static saturation where every policy serves the offered load."""
+THROUGHPUT_LOADS = (1.5, 2.0, 3.0)
+"""Capacity regime: overload points (static cannot keep up) where steady-window throughput is read."""
+DEFAULT_SEEDS, FULL_SEEDS = 3, 5
+DEFAULT_SPLITS: tuple[str, ...] = ("heldout",)
+FULL_SPLITS: tuple[str, ...] = ("heldout", "dev")
+DEFAULT_SUBSET = {"agent": 60, "mooncake": 1000, "mooncake-synthetic": 1000, "azure-code": 1000}
+"""Default grid: first N sessions (agent) or requests (open-loop) of the split side."""
 
 FULL_TRACES = ("agent", "mooncake")
 FULL_MODELS = ("gpt-oss-120b", "glm-5")
 FULL_SHAPES = ("2P4D", "4P2D", "1P5D")
-FULL_LOADS = (0.5, 1.0, 1.5, 2.0)
-"""``--full``: the paper-style grid (2 models x 2 traces x 4 loads on 2P4D plus the extreme splits)."""
 FULL_SUBSET = {"agent": 100, "mooncake": 4000, "mooncake-synthetic": 4000, "azure-code": 4000}
+"""``--full``: the paper-style grid (2 models x 2 traces x 3 splits, both split sides, 5 seeds)."""
 
 NEEDS_PREDICTOR = ("heuristic", "rl")
 TIME_CAP_FACTOR, TIME_CAP_SLACK_S = 4.0, 3600.0
-"""A lending simulation stops at ``FACTOR x`` the static replay's duration at its point plus ``SLACK``:
-a request that can never be admitted would otherwise keep the control loop ticking forever."""
+"""A lending simulation stops at ``FACTOR x`` the trace's arrival span at its load plus ``SLACK``
+(closed loop: the session-start span plus the longest session's think time): a request that can never
+be admitted would otherwise keep the control loop ticking forever."""
+POLICY_STEP, SPLIT_STEP = 1.25, 2.0
+"""Bracketing steps of the capacity searches: policies start at static's capacity (gains are mostly
+under 25 %), other splits of the same GPUs may be far from it."""
+DEFAULT_MAX_WORKERS = 32
 
 
 @dataclass(frozen=True)
@@ -67,12 +109,16 @@ class GridSpec:
     traces: tuple[str, ...] = DEFAULT_TRACES
     models: tuple[str, ...] = DEFAULT_MODELS
     shapes: tuple[str, ...] = DEFAULT_SHAPES
-    load_fractions: tuple[float, ...] = DEFAULT_LOADS
+    latency_loads: tuple[float, ...] = LATENCY_LOADS
+    throughput_loads: tuple[float, ...] = THROUGHPUT_LOADS
     gpu: str = "H200"
     max_requests: int | None = None
     seed: int = 0
+    """First seed; the grid runs ``seed, seed + 1, ..., seed + seeds - 1``."""
+    seeds: int = DEFAULT_SEEDS
+    splits: tuple[str, ...] = DEFAULT_SPLITS
+    """Split sides (``envs.splits``): ``heldout``, ``dev`` or ``all``."""
     full: bool = False
-    oracle: bool = True
     interference_model: str | None = None
     """Artifact folder for heuristic/rl (None: the shipped default per model)."""
     dtype: Precision | None = None
@@ -80,6 +126,12 @@ class GridSpec:
     ep: int = 1
     dp_attention: int = 1
     """Precision and parallelism of every model's workers (``train.model_args``)."""
+    slo_ttft_s: float = DEFAULT_TTFT_SLO_S
+    slo_tpot_s: float = DEFAULT_TPOT_SLO_S
+    open_loop_arrivals: str = "poisson"
+    gpus_needed: bool = True
+    max_workers: int = DEFAULT_MAX_WORKERS
+    """Largest cluster (workers) the GPUs-needed search tries."""
 
     def model_options(self) -> dict[str, Any]:
         return model_options(self)
@@ -87,7 +139,43 @@ class GridSpec:
     def subset(self, trace: str) -> int | None:
         if self.max_requests is not None:
             return self.max_requests
-        return (FULL_SUBSET if self.full else DEFAULT_SUBSET).get(trace, 2000)
+        return (FULL_SUBSET if self.full else DEFAULT_SUBSET).get(trace, 1000)
+
+    def seed_list(self) -> tuple[int, ...]:
+        return tuple(range(self.seed, self.seed + self.seeds))
+
+    def simulated_policies(self) -> tuple[str, ...]:
+        """Policies that are simulated as themselves (grid baselines are built from static runs)."""
+        return tuple(p for p in self.policies if p not in GRID_BASELINES)
+
+    def point(self, policy: str, combo: Combo, shape: str, load: float, seed: int) -> Point:
+        return Point(
+            policy=policy,
+            trace=combo.trace,
+            model=combo.model,
+            gpu=self.gpu,
+            shape=shape,
+            load=load,
+            max_requests=self.subset(combo.trace),
+            seed=seed,
+            split=combo.split,
+            open_loop_arrivals=self.open_loop_arrivals,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_tpot_s=self.slo_tpot_s,
+            **self.model_options(),
+        )
+
+
+@dataclass(frozen=True)
+class Combo:
+    """What a load is matched within: one trace side on one model (shapes vary inside)."""
+
+    trace: str
+    model: str
+    split: str
+
+    def key(self) -> str:
+        return f"{self.trace}|{self.model}|{self.split}"
 
 
 @dataclass(frozen=True)
@@ -99,34 +187,169 @@ class SimTask:
     artifact_dir: str | None = None
     predictor: Any = field(default=None, compare=False)
     """An injected predictor object (tests); overrides ``artifact_dir``."""
-    max_time_s: float = math.inf
-    """Simulated-time cap (see ``TIME_CAP_FACTOR``); requests unfinished by then count as unfinished."""
+    regime: str = "latency"
+    load_fraction: float = 1.0
+
+
+@dataclass(frozen=True)
+class CapacityJob:
+    """A capacity-at-SLO search of one policy on one shape at one seed (``point.load`` is unused)."""
+
+    point: Point
+    threshold: float
+    relative_fallback: bool
+    start_load: float = 1.0
+    step: float = 2.0
+    artifact_dir: str | None = None
+    predictor: Any = field(default=None, compare=False)
+    role: str = "capacity"
+    """``capacity`` (a grid shape) or ``split`` (another split of the same GPUs, for hindsight-split)."""
+
+    def name(self) -> str:
+        return (
+            f"capacity|{self.point.label()}|thr={self.threshold:.6g}|fallback={int(self.relative_fallback)}"
+            f"|res={CAPACITY_RESOLUTION}|v3"
+        )
+
+
+@dataclass(frozen=True)
+class GpusJob:
+    """Fewest workers (over splits) at which ``point.policy`` serves the trace at load 1 within SLO."""
+
+    point: Point
+    thresholds: tuple[tuple[int, float], ...]
+    """(seed, SLO-share threshold) pairs: every seed must pass."""
+    max_workers: int
+    artifact_dir: str | None = None
+    predictor: Any = field(default=None, compare=False)
+
+    def name(self) -> str:
+        return f"gpus|{self.point.label()}|{self.thresholds}|max={self.max_workers}|v3"
+
+
+# ---- worker side ---------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _prepared(point: Point) -> Trace:
+    # Parsing the bundled agent trace costs ~1 s (measured); a worker process runs many points of one
+    # trace. Requests are frozen and the simulator never mutates a Trace, so sharing is safe.
+    return prepare_trace(point)
+
+
+def _trace_point(point: Point) -> Point:
+    """The fields of ``point`` the prepared trace depends on (so points share one cached trace)."""
+    base = Point(
+        trace=point.trace,
+        max_requests=point.max_requests,
+        max_think_s=point.max_think_s,
+        split=point.split,
+        open_loop_arrivals=point.open_loop_arrivals,
+    )
+    return replace(base, seed=point.seed) if point.open_loop_arrivals == "poisson" else base
+
+
+def trace_for(point: Point) -> Trace:
+    return _prepared(_trace_point(point))
+
+
+@functools.lru_cache(maxsize=16)
+def _work(point: Point) -> tuple[Trace, np.ndarray, np.ndarray]:
+    trace = bound.served_trace(trace_for(point), point.cluster())
+    prefill_s, decode_s = bound.request_work(trace, bound.work_coefficients(point.cost_model()))
+    return trace, prefill_s, decode_s
+
+
+def request_work(point: Point) -> tuple[Trace, np.ndarray, np.ndarray]:
+    """(served trace, best-case prefill and decode worker-seconds per request) of ``point``'s trace."""
+    deployment = {
+        k: getattr(point, k) for k in ("model", "gpu", "tp", "dtype", "kv_dtype", "ep", "dp_attention")
+    }
+    return _work(replace(_trace_point(point), **deployment))
+
+
+def time_cap_s(point: Point, trace: Trace) -> float:
+    """The simulated-time cap of a lending simulation (see ``TIME_CAP_FACTOR``)."""
+    if not trace.requests:
+        return math.inf
+    if not trace.closed_loop:
+        span = max(r.arrival_s for r in trace.requests) / point.load
+    else:
+        rate = session_rate(point, trace) or DEFAULT_SESSION_RATE_PER_S.get(point.trace, 0.004)
+        think: dict[int, float] = {}
+        for r in trace.requests:
+            think[r.session_id] = think.get(r.session_id, 0.0) + max(0.0, r.think_time_s)
+        span = len(think) / (rate * point.load) + max(think.values())
+    return TIME_CAP_FACTOR * span + TIME_CAP_SLACK_S
+
+
+def _predictor(point: Point, artifact_dir: str | None, injected: Any) -> Any:
+    if point.policy not in NEEDS_PREDICTOR:
+        return None
+    if injected is not None:
+        return injected
+    if artifact_dir is None:
+        raise ValueError(f"policy {point.policy!r} needs an interference-model artifact")
+    return _cached_predictor(artifact_dir, point.gpu, point.model, point.resolved_tp)
 
 
 @functools.lru_cache(maxsize=4)
-def _prepared_trace(trace: str, max_requests: int | None, max_think_s: float) -> Trace:
-    # Parsing the bundled agent trace costs ~1 s per simulation (measured); a worker process runs many
-    # points of one trace. Requests are frozen and the simulator never mutates a Trace, so sharing is safe.
-    return prepare_trace(Point(trace=trace, max_requests=max_requests, max_think_s=max_think_s))
+def _cached_predictor(artifact_dir: str, gpu: str, model: str, tp: int) -> Any:
+    # Compiling the trees costs ~0.5 s (measured); the predictor is read-only, so a worker reuses it.
+    from interference_model.artifact import load_predictor
+
+    return load_predictor(artifact_dir, gpu=gpu, model=model, tp=tp)
+
+
+def _simulate(point: Point, artifact_dir: str | None, predictor: Any) -> Any:
+    trace = trace_for(point)
+    cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
+    result = run_point(
+        point, trace=trace, predictor=_predictor(point, artifact_dir, predictor), max_time_s=cap
+    )
+    return result, math.isfinite(cap) and result.metrics.n_finished < result.metrics.n_requests
+
+
+def slo_misses(point: Point, requests: Any) -> dict[str, int]:
+    """Requests missing the TTFT half of the SLO (unfinished ones included) and the TPOT half."""
+    df = requests[requests["error"] == ""]
+    ttft = (df["first_token_s"] - df["arrival_s"]).to_numpy(dtype=np.float64)
+    n_out = df["output_tokens"].to_numpy(dtype=np.float64)
+    tpot = (df["finish_s"] - df["first_token_s"]).to_numpy(dtype=np.float64) / np.maximum(n_out - 1, 1)
+    ttft_miss = ~(ttft <= point.slo_ttft_s)
+    tpot_miss = ~ttft_miss & ~(np.where(n_out > 1, tpot, 0.0) <= point.slo_tpot_s)
+    return {"ttft": int(ttft_miss.sum()), "tpot": int(tpot_miss.sum())}
 
 
 def simulate_task(task: SimTask) -> dict[str, Any]:
-    """Worker: run one point; returns metrics (and timeline, reason counts) or the error, never raises."""
-
+    """Worker: run one point; returns metrics, steady-window throughput and its fluid bound (and the
+    timeline and reason counts with ``detail``) or the error; never raises."""
     point, t0 = task.point, time.perf_counter()
-    out: dict[str, Any] = {"label": point.label(), "point": point.to_dict()}
+    out: dict[str, Any] = {
+        "label": point.label(),
+        "point": point.to_dict(),
+        "regime": task.regime,
+        "load_fraction": task.load_fraction,
+    }
     try:
-        trace = _prepared_trace(point.trace, point.max_requests, point.max_think_s)
-        predictor = None
-        if point.policy in NEEDS_PREDICTOR:
-            predictor = task.predictor if task.predictor is not None else _load_predictor(task)
-        result = run_point(point, trace=trace, predictor=predictor, max_time_s=task.max_time_s)
+        result, capped = _simulate(point, task.artifact_dir, task.predictor)
+        served, prefill_s, decode_s = request_work(point)
+        window = bound.steady_window(result.requests, served)
+        steady = bound.window_served(result.requests, window, prefill_s, decode_s)
+        earliest = bound.earliest_arrivals(result.requests, served)
+        cfg = point.cluster()
+        limit = bound.throughput_bound(cfg.n_prefill + cfg.n_decode, window, earliest, prefill_s + decode_s)
     except Exception as exc:  # one broken point must not sink the grid; the report lists it
         out.update(error=f"{type(exc).__name__}: {exc}", metrics=None, wall_s=time.perf_counter() - t0)
         return out
     metrics = result.metrics.to_dict()
-    capped = math.isfinite(task.max_time_s) and metrics["n_finished"] < metrics["n_requests"]
-    out.update(metrics=metrics, served_slo_share=served_slo_share(metrics), error=None, time_capped=capped)
+    out.update(
+        metrics=metrics,
+        served_slo_share=served_slo_share(metrics),
+        slo_misses=slo_misses(point, result.requests),
+        steady={**steady, "window": list(window)},
+        bound=limit,
+        error=None,
+        time_capped=capped,
+    )
     if task.detail:
         out["timeline"] = {
             k: [float(v) for v in col] for k, col in result.timeline.to_dict(orient="list").items()
@@ -143,21 +366,97 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
     return out
 
 
-def _load_predictor(task: SimTask) -> Any:
-    if task.artifact_dir is None:
-        raise ValueError(f"policy {task.point.policy!r} needs an interference-model artifact")
-    p = task.point
-    return _cached_predictor(task.artifact_dir, p.gpu, p.model, p.resolved_tp)
+def capacity_job(job: CapacityJob) -> dict[str, Any]:
+    """Worker: one capacity-at-SLO search; every probe's share and cluster ITL p99 are kept."""
+    t0 = time.perf_counter()
+    itl_p99: dict[float, float] = {}
+
+    def share_at(load: float) -> float:
+        result, _ = _simulate(replace(job.point, load=load), job.artifact_dir, job.predictor)
+        m = result.metrics.to_dict()
+        itl_p99[load] = float(m["itl_p99_s"])
+        return served_slo_share(m)
+
+    out: dict[str, Any] = {"name": job.name(), "point": job.point.to_dict(), "role": job.role}
+    try:
+        found = capacity_search(
+            share_at,
+            threshold=job.threshold,
+            relative_fallback=job.relative_fallback,
+            start_load=job.start_load,
+            step=job.step,
+        )
+    except Exception as exc:
+        out.update(error=f"{type(exc).__name__}: {exc}", usable=False, wall_s=time.perf_counter() - t0)
+        return out
+    found["itl_p99_s"] = itl_p99.get(found["load"], math.nan)
+    out.update(found, error=None, n_simulations=len(itl_p99), wall_s=time.perf_counter() - t0)
+    return out
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_predictor(artifact_dir: str, gpu: str, model: str, tp: int) -> Any:
-    # Compiling the trees costs ~0.5 s (measured); the predictor is read-only, so a worker reuses it.
-    from interference_model.artifact import load_predictor
+def gpus_job(job: GpusJob) -> dict[str, Any]:
+    """Worker: the fewest workers at which every seed meets its SLO threshold at load 1."""
+    t0 = time.perf_counter()
+    runs = 0
+    thresholds = dict(job.thresholds)
 
-    return load_predictor(artifact_dir, gpu=gpu, model=model, tp=tp)
+    def passes(n_prefill: int, n_decode: int) -> tuple[bool, str]:
+        nonlocal runs
+        for seed, threshold in sorted(thresholds.items()):
+            pt = replace(job.point, shape=f"{n_prefill}P{n_decode}D", seed=seed, load=1.0)
+            result, _ = _simulate(pt, job.artifact_dir, job.predictor)
+            runs += 1
+            if served_slo_share(result.metrics.to_dict()) < threshold:
+                misses = slo_misses(pt, result.requests)
+                return False, "prefill" if misses["ttft"] >= misses["tpot"] else "decode"
+        return True, ""
+
+    out: dict[str, Any] = {"name": job.name(), "point": job.point.to_dict()}
+    try:
+        lower = []
+        for seed, threshold in sorted(thresholds.items()):
+            served, prefill_s, decode_s = request_work(replace(job.point, seed=seed, load=1.0))
+            lower.append(
+                bound.fewest_workers_bound(
+                    served, prefill_s, decode_s, threshold=threshold,
+                    slo_ttft_s=job.point.slo_ttft_s, slo_tpot_s=job.point.slo_tpot_s,
+                )
+            )  # fmt: skip
+        fluid = None if any(x is None for x in lower) else max(x for x in lower if x is not None)
+        # start every split walk at the best-case prefill share of the work
+        share = float(prefill_s.sum() / max((prefill_s + decode_s).sum(), 1e-12))
+        found = fewest_workers(
+            passes,
+            first_prefill_share=share,
+            min_workers=max(2, fluid or 2),
+            max_workers=job.max_workers,
+        )
+    except Exception as exc:
+        out.update(error=f"{type(exc).__name__}: {exc}", workers=None, wall_s=time.perf_counter() - t0)
+        return out
+    tp = job.point.resolved_tp
+    out.update(
+        found,
+        first_prefill_share=share,
+        gpus=None if found["workers"] is None else found["workers"] * tp,
+        fluid_min_workers=fluid,
+        tp=tp,
+        error=None,
+        n_simulations=runs,
+        wall_s=time.perf_counter() - t0,
+    )
+    return out
 
 
+def _run_job(job: Any) -> dict[str, Any]:
+    if isinstance(job, SimTask):
+        return {"kind": "sim", **simulate_task(job)}
+    if isinstance(job, CapacityJob):
+        return {"kind": "capacity", **capacity_job(job)}
+    return {"kind": "gpus", **gpus_job(job)}
+
+
+# ---- main side -----------------------------------------------------------------------------------------
 def resolve_artifact(spec: GridSpec, model: str) -> str:
     """Folder of the interference model for ``model``: ``--interference-model`` or the shipped default."""
     from interference_model.artifact import DATA_DIR, artifact_slug
@@ -176,7 +475,7 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
     return str(folder)
 
 
-def oracle_shapes(shape: str) -> list[str]:
+def same_gpu_splits(shape: str) -> list[str]:
     """Every xPyD split with the same worker count as ``shape`` (x, y >= 1), ``shape`` included."""
     n_p, n_d = parse_shape(shape)
     total = n_p + n_d
@@ -184,9 +483,15 @@ def oracle_shapes(shape: str) -> list[str]:
 
 
 def _map(
-    fn: Callable[[Any], dict[str, Any]], items: Sequence[Any], jobs: int, desc: str, progress: bool
+    fn: Callable[[Any], dict[str, Any]],
+    items: Sequence[Any],
+    jobs: int,
+    desc: str,
+    progress: bool,
+    pool: cf.Executor | None = None,
 ) -> Iterable[dict[str, Any]]:
-    """``fn`` over ``items`` in ``jobs`` processes (in this process if 1), yielding as they finish."""
+    """``fn`` over ``items`` in ``jobs`` processes (``pool`` if given; in this process if 1), yielding
+    as they finish."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(items), desc=desc, disable=not progress, leave=False, file=sys.stderr)
@@ -196,83 +501,82 @@ def _map(
                 yield fn(item)
                 bar.update()
             return
-        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(items))) as pool:
-            for fut in cf.as_completed([pool.submit(fn, item) for item in items]):
+        own = pool is None
+        executor = pool or cf.ProcessPoolExecutor(max_workers=min(jobs, len(items)))
+        try:
+            for fut in cf.as_completed([executor.submit(fn, item) for item in items]):
                 yield fut.result()
                 bar.update()
+        finally:
+            if own:
+                executor.shutdown()
     finally:
         bar.close()
 
 
-def saturation_loads(spec: GridSpec, out_dir: Path, jobs: int, progress: bool) -> list[dict[str, Any]]:
-    """Static saturation per (trace, model, shape), reusing ``saturation.json`` in ``out_dir`` if present."""
-    cache_path = out_dir / "saturation.json"
-    cache: dict[str, Any] = {}
-    if cache_path.is_file():
-        try:
-            cache = json.loads(cache_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{cache_path}: corrupt saturation cache ({exc}); delete it to recompute"
-            ) from exc
-    options = tuple(spec.model_options().items())
-    keys = [
-        (t, m, s, spec.gpu, spec.subset(t), spec.seed, options)
-        for t in spec.traces
-        for m in spec.models
-        for s in spec.shapes
-    ]
-    suffix = Point(**spec.model_options()).deployment_suffix()
-    name = {k: f"{'|'.join(map(str, k[:6]))}{suffix}|thr={SATURATION_THRESHOLD}|rule=v2" for k in keys}
-    todo = [k for k in keys if name[k] not in cache]
-    for res in _map(_saturation_job, todo, jobs, "saturation search", progress):
-        key = (
-            res["trace"],
-            res["model"],
-            res["shape"],
-            res["gpu"],
-            res["max_requests"],
-            res["seed"],
-            options,
-        )
-        cache[name[key]] = res
-        write_json(cache_path, cache, indent=1)
-    return [cache[name[k]] for k in keys]
+class _Runner:
+    """Runs job lists in parallel, caching finished searches in ``searches.json`` of the run folder."""
+
+    def __init__(self, out: Path, jobs: int, progress: bool) -> None:
+        self.path = out / "searches.json"
+        self.jobs, self.progress = jobs, progress
+        # one pool for every stage: its workers keep their prepared traces and predictors
+        self.pool = cf.ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
+        self.cache: dict[str, Any] = {}
+        if self.path.is_file():
+            try:
+                self.cache = json.loads(self.path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{self.path}: corrupt search cache ({exc}); delete it to recompute"
+                ) from exc
+
+    def run(self, items: Sequence[Any], desc: str) -> list[dict[str, Any]]:
+        """Results in the order of ``items``; an item equal to an earlier one (same simulation or same
+        search) is run once, a search found in ``searches.json`` is not run again."""
+        results: dict[int, dict[str, Any]] = {}
+        first_of: dict[str, int] = {}
+        todo: list[tuple[int, Any]] = []
+        for i, item in enumerate(items):
+            name = item.point.label() if isinstance(item, SimTask) else item.name()
+            if name in first_of:
+                continue
+            first_of[name] = i
+            cached = self.cache.get(name) if not isinstance(item, SimTask) else None
+            if cached is not None and not cached.get("error"):
+                results[i] = cached
+            else:
+                todo.append((i, item))
+        # the slowest jobs first, so the pool ends evenly
+        pending = sorted(todo, key=lambda t: _expected_cost(t[1]), reverse=True)
+        for res in _map(_run_job_indexed, pending, self.jobs, desc, self.progress, self.pool):
+            i = res.pop("_index")
+            results[i] = res
+            if res.get("kind") in ("capacity", "gpus") and not res.get("error"):
+                self.cache[res["name"]] = res
+                write_json(self.path, self.cache, indent=1)
+        names = [item.point.label() if isinstance(item, SimTask) else item.name() for item in items]
+        return [results[first_of[n]] for n in names]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
-def build_tasks(
-    spec: GridSpec, saturation: Sequence[dict[str, Any]], predictor: Any = None
-) -> tuple[list[dict[str, Any]], list[SimTask]]:
-    """Grid rows (point + load fraction + saturation) and the deduplicated simulations they need."""
-    artifacts = {}
-    if predictor is None and set(spec.policies) & set(NEEDS_PREDICTOR):
-        artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
-    rows: list[dict[str, Any]] = []
-    tasks: dict[Point, SimTask] = {}
-    for sat in saturation:
-        if not sat["usable"]:
-            continue  # static never meets the SLO here: no load to match (report.md says so)
-        for frac in spec.load_fractions:
-            load = frac * sat["load"]
-            common = {
-                "trace": sat["trace"],
-                "model": sat["model"],
-                "gpu": spec.gpu,
-                "load": load,
-                "max_requests": sat["max_requests"],
-                "seed": spec.seed,
-                **spec.model_options(),
-            }
-            for policy in spec.policies:
-                pt = Point(policy=policy, shape=sat["shape"], **common)
-                rows.append({"point": pt, "load_fraction": frac, "saturation_load": sat["load"]})
-                tasks[pt] = SimTask(pt, True, artifacts.get(pt.model), predictor)
-            for shape in oracle_shapes(sat["shape"]) if spec.oracle else []:
-                pt = Point(policy="static", shape=shape, **common)
-                tasks.setdefault(pt, SimTask(pt, False))
-    # Lending policies are the slow simulations: start them first so the pool ends evenly.
-    ordered = sorted(tasks.values(), key=lambda t: (t.point.policy == "static", t.point.trace != "agent"))
-    return rows, ordered
+def _run_job_indexed(item: tuple[int, Any]) -> dict[str, Any]:
+    index, job = item
+    return {**_run_job(job), "_index": index}
+
+
+def _expected_cost(job: Any) -> float:
+    lending = 10.0 if job.point.policy != "static" else 1.0
+    agent = 5.0 if job.point.trace == "agent" else 1.0
+    kind = {GpusJob: 25.0, CapacityJob: 7.0}.get(type(job), 1.0)
+    return lending * agent * kind
+
+
+def combos(spec: GridSpec) -> list[Combo]:
+    return [Combo(t, m, s) for t in spec.traces for m in spec.models for s in spec.splits]
 
 
 def run_compare(
@@ -289,100 +593,332 @@ def run_compare(
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    saturation = saturation_loads(spec, out, jobs, progress)
-    rows, tasks = build_tasks(spec, saturation, predictor)
-    sims: dict[str, dict[str, Any]] = {}
-    # Static first (fast, and it sets the time cap of the lending simulations at the same point).
-    for res in _map(
-        simulate_task, [t for t in tasks if t.point.policy == "static"], jobs, "static", progress
-    ):
-        sims[res["label"]] = res
-    lending = [replace(t, max_time_s=_time_cap(t.point, sims)) for t in tasks if t.point.policy != "static"]
-    for res in _map(simulate_task, lending, jobs, "policies", progress):
-        sims[res["label"]] = res
-    points = [_grid_row(spec, row, sims) for row in rows]
-    grid_labels = {p["label"] for p in points}
-    candidates = [
-        {k: v for k, v in s.items() if k not in ("timeline", "reasons")}
-        for label, s in sims.items()
-        if label not in grid_labels
-    ]
+    runner = _Runner(out, jobs, progress)
+    try:
+        seeds = spec.seed_list()
+        artifacts: dict[str, str] = {}
+        if predictor is None and set(spec.policies) & set(NEEDS_PREDICTOR):
+            artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
+
+        # 1. static capacity at SLO on every grid shape and seed: the saturation, the SLO rule per seed
+        stage1 = [
+            CapacityJob(spec.point("static", c, shape, 1.0, seed), SLO_SHARE_TARGET, True)
+            for c in combos(spec)
+            for shape in spec.shapes
+            for seed in seeds
+        ]
+        static_caps = runner.run(stage1, "static capacity")
+        saturation = _saturation_table(spec, static_caps)
+        sat = {(s["combo"], s["shape"]): s for s in saturation}
+
+        # 2. policies' capacity, other splits (hindsight), the regime points, GPUs needed
+        done2 = runner.run(_stage2_jobs(spec, sat, artifacts, predictor), "capacity, regimes, GPUs needed")
+        capacities = [r for r in static_caps + done2 if r["kind"] == "capacity"]
+        sims = {r["label"]: r for r in done2 if r["kind"] == "sim"}
+        gpus = [r for r in done2 if r["kind"] == "gpus"]
+
+        # 3. hindsight-split: static on the best split of each seed (simulated where it is not the grid shape)
+        hindsight = hindsight_split(spec, capacities, saturation) if HINDSIGHT_SPLIT in spec.policies else []
+        stage3 = [
+            SimTask(pt, False, regime=regime, load_fraction=frac)
+            for h in hindsight
+            if h["shape"] != h["grid_shape"]
+            for regime, frac, pt in _regime_points(spec, sat, h)
+            if pt.label() not in sims
+        ]
+        done3 = runner.run(stage3, "hindsight split")
+        for r in done3:
+            sims[r["label"]] = r
+    finally:
+        runner.close()
+
+    points = _grid_rows(spec, saturation, sims, hindsight)
     results: dict[str, Any] = {
         "run_id": out.name,
         "command": command,
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "grid": {**asdict(spec), "subsets": {t: spec.subset(t) for t in spec.traces}},
+        "grid": {
+            **asdict(spec),
+            "subsets": {t: spec.subset(t) for t in spec.traces},
+            "seed_list": list(seeds),
+        },
         "jobs": jobs,
-        "saturation_threshold": SATURATION_THRESHOLD,
+        "slo_share_target": SLO_SHARE_TARGET,
+        "capacity_resolution": CAPACITY_RESOLUTION,
         "saturation": saturation,
+        "capacity": [_strip(c) for c in capacities],
+        "capacity_bound": _capacity_bounds(spec, saturation),
+        "hindsight": hindsight,
+        "gpus_needed": gpus,
         "points": points,
-        "oracle_candidates": sorted(candidates, key=lambda c: c["label"]),
-        "failed_oracle": [c for c in candidates if c.get("error")],
+        "failed": [r for r in [*static_caps, *done2, *done3] if r.get("error")],
     }
-    results["summary"] = report.summarise(points)
-    results["targets"] = report.evaluate_targets(points)
+    results["summary"] = report.summarise(results)
+    results["targets"] = report.evaluate_targets(results)
     if use_wandb:
-        results["wandb"] = _log_wandb(points, out, tasks)
+        results["wandb"] = _log_wandb(results, out, artifacts)
     results["wall_s"] = time.perf_counter() - t0
     write_json(out / "results.json", results, indent=1)
     report.write_report(results, out)
     return results
 
 
-def _time_cap(point: Point, sims: dict[str, dict[str, Any]]) -> float:
-    static = sims.get(replace(point, policy="static").label())
-    if not static or not static.get("metrics"):
-        return math.inf
-    return TIME_CAP_FACTOR * float(static["metrics"]["duration_s"]) + TIME_CAP_SLACK_S
+def _regimes(spec: GridSpec) -> list[tuple[str, float]]:
+    return [("latency", f) for f in spec.latency_loads] + [("throughput", f) for f in spec.throughput_loads]
 
 
-def _grid_row(spec: GridSpec, row: dict[str, Any], sims: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    pt: Point = row["point"]
-    res = dict(sims[pt.label()])
-    res.update(load_fraction=row["load_fraction"], saturation_load=row["saturation_load"])
-    res.update(oracle_shape=None, oracle_metrics=None, oracle_share=None)
-    static = sims.get(Point(**{**asdict(pt), "policy": "static"}).label())
-    if not spec.oracle or not res.get("metrics") or not static or not static.get("metrics"):
-        return res
-    cands = {}
-    for shape in oracle_shapes(pt.shape):
-        c = sims.get(Point(**{**asdict(pt), "policy": "static", "shape": shape}).label())
-        if c and c.get("metrics"):
-            cands[shape] = c["metrics"]
-    best = report.choose_oracle(static["metrics"], cands, pt.shape)
-    oracle_m = cands.get(best, static["metrics"])
-    res.update(oracle_shape=best, oracle_metrics=oracle_m if pt.policy == "static" else None)
-    key = "input_tokens_per_s"
-    res["oracle_share"] = report.oracle_share(res["metrics"][key], static["metrics"][key], oracle_m[key])
-    return res
+def _regime_points(
+    spec: GridSpec, sat: dict[tuple[str, str], dict[str, Any]], h: dict[str, Any]
+) -> list[tuple[str, float, Point]]:
+    """The hindsight choice ``h``'s static runs at every regime load of its grid shape's saturation."""
+    c = Combo(h["trace"], h["model"], h["split"])
+    load = sat[(c.key(), h["grid_shape"])]["load"]
+    return [
+        (regime, frac, spec.point("static", c, h["shape"], frac * load, h["seed"]))
+        for regime, frac in _regimes(spec)
+    ]
 
 
-def _log_wandb(points: Sequence[dict[str, Any]], out: Path, tasks: Sequence[SimTask]) -> dict[str, Any]:
+def _stage2_jobs(
+    spec: GridSpec, sat: dict[tuple[str, str], dict[str, Any]], artifacts: dict[str, str], predictor: Any
+) -> list[Any]:
+    """Capacity searches of the other policies and splits, regime points, GPUs-needed searches."""
+    seeds = spec.seed_list()
+    lending = [p for p in spec.simulated_policies() if p != "static"]
+    jobs: list[Any] = []
+    for c in combos(spec):
+        for shape in spec.shapes:
+            s = sat[(c.key(), shape)]
+            if not s["usable"]:
+                continue  # static misses the SLO at every load: nothing to match (report.md says so)
+            for seed in seeds:
+                thr, start = s["thresholds"][seed], s["loads"][seed]
+                for policy in lending:
+                    pt = spec.point(policy, c, shape, 1.0, seed)
+                    jobs.append(
+                        CapacityJob(pt, thr, False, start, POLICY_STEP, artifacts.get(c.model), predictor)
+                    )
+                if HINDSIGHT_SPLIT in spec.policies:
+                    for other in same_gpu_splits(shape):
+                        grid = sat.get((c.key(), other))
+                        if grid and grid["usable"] and math.isclose(grid["thresholds"][seed], thr):
+                            continue  # a grid shape judged on the same SLO rule: stage 1 searched it
+                        pt = spec.point("static", c, other, 1.0, seed)
+                        jobs.append(CapacityJob(pt, thr, False, start, SPLIT_STEP, role="split"))
+            for regime, frac in _regimes(spec):
+                for policy in spec.simulated_policies():
+                    for seed in seeds:
+                        pt = spec.point(policy, c, shape, frac * s["load"], seed)
+                        jobs.append(
+                            SimTask(pt, seed == seeds[0], artifacts.get(c.model), predictor, regime, frac)
+                        )
+        first = sat.get((c.key(), spec.shapes[0]))
+        if spec.gpus_needed and first and first["usable"]:
+            thresholds = tuple(sorted(first["thresholds"].items()))
+            for policy in spec.simulated_policies():
+                pt = spec.point(policy, c, spec.shapes[0], 1.0, seeds[0])
+                jobs.append(GpusJob(pt, thresholds, spec.max_workers, artifacts.get(c.model), predictor))
+    return jobs
+
+
+def _strip(capacity: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in capacity.items() if k != "kind"}
+
+
+def _saturation_table(spec: GridSpec, static_caps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (combo, grid shape): static's capacity per seed, the SLO threshold per seed (relative where
+    static misses the target when idle) and their geometric mean (the load points' anchor)."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in static_caps:
+        p = r["point"]
+        c = Combo(p["trace"], p["model"], p["split"])
+        by.setdefault((c.key(), p["shape"]), []).append(r)
+    rows = []
+    for c in combos(spec):
+        for shape in spec.shapes:
+            found = [r for r in by.get((c.key(), shape), []) if not r.get("error") and r.get("usable")]
+            loads = {int(r["point"]["seed"]): float(r["load"]) for r in found}
+            rows.append(
+                {
+                    "combo": c.key(),
+                    "trace": c.trace,
+                    "model": c.model,
+                    "split": c.split,
+                    "shape": shape,
+                    "usable": bool(loads) and len(loads) == len(by.get((c.key(), shape), [])),
+                    "loads": loads,
+                    "load": math.exp(sum(map(math.log, loads.values())) / len(loads)) if loads else math.nan,
+                    "thresholds": {int(r["point"]["seed"]): float(r["threshold"]) for r in found},
+                    "relative": any(r["relative"] for r in found),
+                    "idle_shares": {int(r["point"]["seed"]): r["idle_share"] for r in found},
+                    "bracketed": all(r["bracketed"] for r in found),
+                    "errors": [r["error"] for r in by.get((c.key(), shape), []) if r.get("error")],
+                }
+            )
+    return rows
+
+
+def hindsight_split(
+    spec: GridSpec, capacities: Sequence[dict[str, Any]], saturation: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The ``hindsight-split`` baseline per (trace, model, split side, grid shape, seed): the split of
+    the same GPUs with the highest static capacity at SLO at that seed (ties keep the grid shape).
+
+    ``capacities`` are capacity-search results; a split counts only when it was judged on the grid
+    shape's SLO threshold at that seed (``saturation``, from ``_saturation_table``). Returns one dict per
+    choice: ``shape``, ``grid_shape``, ``load`` (its capacity), ``bracketed``, ``capacities`` (split ->
+    capacity) and the point fields.
+    """
+    static: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in capacities:
+        p = r["point"]
+        if p["policy"] == "static" and not r.get("error") and r.get("usable", True):
+            static.setdefault((p["trace"], p["model"], p["split"], p["shape"], int(p["seed"])), []).append(r)
+    rules = {(s["combo"], s["shape"]): s["thresholds"] for s in saturation}
+    out = []
+    for c in combos(spec):
+        for shape in spec.shapes:
+            for seed in spec.seed_list():
+                thr = rules.get((c.key(), shape), {}).get(seed)
+                found = {
+                    s: r
+                    for s in same_gpu_splits(shape)
+                    for r in static.get((c.trace, c.model, c.split, s, seed), [])
+                    if thr is not None and math.isclose(float(r["threshold"]), thr)
+                }
+                caps = {s: float(r["load"]) for s, r in found.items()}
+                if shape not in caps:
+                    continue
+                best = max(caps, key=lambda s: (caps[s], s == shape))
+                out.append(
+                    {
+                        "trace": c.trace,
+                        "model": c.model,
+                        "split": c.split,
+                        "grid_shape": shape,
+                        "seed": seed,
+                        "shape": best,
+                        "load": caps[best],
+                        "bracketed": bool(found[best]["bracketed"]),
+                        "itl_p99_s": found[best].get("itl_p99_s", math.nan),
+                        "capacities": caps,
+                    }
+                )
+    return out
+
+
+def _grid_rows(
+    spec: GridSpec,
+    saturation: Sequence[dict[str, Any]],
+    sims: dict[str, dict[str, Any]],
+    hindsight: Sequence[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """One row per (policy, combo, grid shape, regime, load fraction, seed), hindsight-split included."""
+    choice = {(h["trace"], h["model"], h["split"], h["grid_shape"], h["seed"]): h["shape"] for h in hindsight}
+    rows = []
+    for s in saturation:
+        if not s["usable"]:
+            continue
+        c = Combo(s["trace"], s["model"], s["split"])
+        for (regime, frac), seed, policy in itertools.product(
+            _regimes(spec), spec.seed_list(), spec.policies
+        ):
+            load, shape = frac * s["load"], s["shape"]
+            if policy == HINDSIGHT_SPLIT:
+                shape = choice.get((c.trace, c.model, c.split, s["shape"], seed), "")
+            res = sims.get(
+                spec.point(policy if policy != HINDSIGHT_SPLIT else "static", c, shape, load, seed).label()
+            )
+            if not shape or res is None:
+                continue
+            row = {k: v for k, v in res.items() if k != "kind"}
+            row.update(
+                policy=policy,
+                trace=c.trace,
+                model=c.model,
+                split=c.split,
+                shape=s["shape"],
+                run_shape=shape,
+                seed=seed,
+                regime=regime,
+                load_fraction=frac,
+                saturation_load=s["load"],
+            )
+            rows.append(row)
+    return rows
+
+
+def _capacity_bounds(spec: GridSpec, saturation: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fluid bound on capacity at SLO per (combo, grid shape, seed) (open-loop traces only)."""
+    out = []
+    for s in saturation:
+        if not s["usable"]:
+            continue
+        c = Combo(s["trace"], s["model"], s["split"])
+        n_p, n_d = parse_shape(s["shape"])
+        for seed, threshold in s["thresholds"].items():
+            pt = spec.point("static", c, s["shape"], 1.0, seed)
+            served, prefill_s, decode_s = request_work(pt)
+            load = bound.capacity_bound(
+                served, prefill_s, decode_s, n_p + n_d, threshold=threshold,
+                slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
+            )  # fmt: skip
+            out.append({"combo": c.key(), "shape": s["shape"], "seed": seed, "load": load})
+    return out
+
+
+def _log_wandb(results: dict[str, Any], out: Path, artifacts: dict[str, str]) -> dict[str, Any]:
+    """One run per (policy, trace, model, shape, split, regime, load fraction): seed means in the
+    summary, every seed's metrics under ``seeds``, the first seed's per-minute timeline as history."""
     from train import wandb_log
 
     wandb_log.default_to_offline()
-    artifacts = {t.point.label(): t.artifact_dir for t in tasks}
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for p in results["points"]:
+        if p.get("metrics"):
+            key = (
+                p["policy"],
+                p["trace"],
+                p["model"],
+                p["shape"],
+                p["split"],
+                p["regime"],
+                p["load_fraction"],
+            )
+            groups.setdefault(key, []).append(p)
     runs = []
-    for p in points:
-        if not p.get("metrics"):
-            continue
-        pt = p["point"]
-        tl = p.get("timeline") or {}
+    for (policy, trace, model, shape, split, regime, frac), rows in groups.items():
+        rows = sorted(rows, key=lambda r: r["seed"])
+        tl = rows[0].get("timeline") or {}
         history = [dict(zip(tl, vals, strict=True)) for vals in zip(*tl.values(), strict=True)] if tl else []
+        means = {
+            k: float(np.mean([r["metrics"][k] for r in rows]))
+            for k, v in rows[0]["metrics"].items()
+            if isinstance(v, int | float)
+        }
         runs.append(
             wandb_log.RunLog(
-                name=p["label"],
+                name=f"{policy}|{trace}|{model}|{shape}|{split}|{regime}={frac:g}",
                 group=out.name,
-                tags=[pt["policy"], pt["trace"], pt["model"], pt["shape"]],
-                config={**pt, "load_fraction": p["load_fraction"], "saturation_load": p["saturation_load"]},
+                tags=[policy, trace, model, shape, split, regime],
+                config={
+                    **{k: v for k, v in rows[0]["point"].items() if k not in ("seed", "policy")},
+                    "policy": policy,
+                    "seeds": [r["seed"] for r in rows],
+                    "load_fraction": frac,
+                    "saturation_load": rows[0]["saturation_load"],
+                    "run_shapes": sorted({r["run_shape"] for r in rows}),
+                },
                 summary={
-                    **p["metrics"],
-                    "served_slo_share": p["served_slo_share"],
-                    "oracle_share": p["oracle_share"],
-                    "oracle_shape": p["oracle_shape"],
+                    **means,
+                    "served_slo_share": float(np.mean([r["served_slo_share"] for r in rows])),
+                    "steady_input_tokens_per_s": float(
+                        np.mean([r["steady"]["input_tokens_per_s"] for r in rows])
+                    ),
+                    "seeds": {str(r["seed"]): r["metrics"] for r in rows},
                 },
                 history=history,
-                artifact_dir=artifacts.get(p["label"]),
+                artifact_dir=artifacts.get(model) if policy in NEEDS_PREDICTOR else None,
             )
         )
     t0 = time.perf_counter()
@@ -406,13 +942,6 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
     return parse
 
 
-def _load_fraction(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"load fractions must be > 0, got {text!r}")
-    return value
-
-
 def _shape(text: str) -> str:
     try:
         parse_shape(text)
@@ -421,43 +950,98 @@ def _shape(text: str) -> str:
     return text.upper()
 
 
+def _split(text: str) -> str:
+    if text not in (ALL, *SIDES):
+        raise argparse.ArgumentTypeError(f"split sides are {', '.join((*SIDES, ALL))}; got {text!r}")
+    return text
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``crossflow compare``."""
     p = sub.add_parser(
         "compare",
-        help="static PD vs lease policies on matched loads, with an oracle, report and W&B runs",
-        description="Run policies x traces x models x shapes x loads (fractions of static saturation) with "
-        "identical arrivals, compare against static and the best static split in hindsight, and write "
-        "results.json, report.md and plots into a run folder. See docs/compare.md.",
+        help="static PD vs lease policies in the latency and capacity regimes, over seeds, with a bound",
+        description="Run policies x traces x models x shapes over seeds: capacity at SLO per policy, "
+        "latency at fractions of static saturation, steady-window throughput past it, the fewest GPUs "
+        "that serve each trace, a fluid upper bound and the best split in hindsight; write results.json, "
+        "report.md and plots into a run folder. See docs/compare.md.",
     )
-    p.add_argument("--policies", type=_csv(str), default=None, help="default: static,heuristic")
-    p.add_argument("--traces", type=_csv(str), default=None, help="default: agent,mooncake")
+    p.add_argument(
+        "--policies", type=_csv(str), default=None, help="default: static,heuristic,hindsight-split"
+    )
+    p.add_argument(
+        "--traces", type=_csv(str), default=None, help="default: mooncake (--full: agent,mooncake)"
+    )
     p.add_argument("--models", type=_csv(str), default=None, help="default: gpt-oss-120b")
     p.add_argument("--shapes", type=_csv(_shape), default=None, help="default: 2P4D")
     p.add_argument(
-        "--loads",
-        type=_csv(_load_fraction),
+        "--latency-loads",
+        type=_csv(_positive),
         default=None,
-        help="fractions of static saturation (default: 0.5,0.7,0.85,1.0)",
+        help="latency regime, fractions of static saturation (default: 0.25,0.5,0.75,1)",
+    )
+    p.add_argument(
+        "--throughput-loads",
+        type=_csv(_positive),
+        default=None,
+        help="capacity regime, overload points as fractions of static saturation (default: 1.5,2,3)",
     )
     p.add_argument("--gpu", default="H200")
     p.add_argument(
         "--max-requests",
         type=int,
         default=None,
-        help="first N sessions (agent) / requests (others) of every trace (default: per-trace subset)",
+        help="first N sessions (agent) / requests (others) of every trace side (default: per-trace subset)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help=f"seeds per point (default {DEFAULT_SEEDS}; --full {FULL_SEEDS})",
+    )
+    p.add_argument(
+        "--splits",
+        type=_csv(_split),
+        default=None,
+        help="split sides of the bundled traces: heldout, dev, all (default: heldout; --full: heldout,dev)",
+    )
+    p.add_argument(
+        "--slo-ttft", type=_positive, default=DEFAULT_TTFT_SLO_S, metavar="S", help="TTFT SLO, s (5)"
+    )
+    p.add_argument(
+        "--slo-tpot",
+        type=_positive,
+        default=DEFAULT_TPOT_SLO_S,
+        metavar="S",
+        help="TPOT SLO, s per token (0.05)",
+    )
+    p.add_argument(
+        "--arrivals",
+        choices=OPEN_LOOP_ARRIVALS,
+        default="poisson",
+        help="open-loop traces: per-seed Poisson re-timing at the per-minute rate (default) or the recording",
+    )
+    p.add_argument("--no-gpus-needed", action="store_true", help="skip the fewest-GPUs search")
+    p.add_argument(
+        "--max-workers", type=int, default=DEFAULT_MAX_WORKERS, help="largest cluster the GPUs search tries"
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
     p.add_argument("--out", default=None, help="run folder (default: runs/compare-<UTC timestamp>)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write results.json here")
     p.add_argument(
         "--full",
         action="store_true",
-        help="paper-style grid: 2 models x 2 traces x 4 loads x "
-        "2P4D, 4P2D, 1P5D (explicit flags still override)",
+        help="paper-style grid: agent and mooncake x gpt-oss-120b and glm-5 x 2P4D, 4P2D, 1P5D, both split "
+        "sides, 5 seeds (explicit flags still override)",
     )
-    p.add_argument("--no-oracle", action="store_true", help="skip the best-static-split oracle")
     p.add_argument(
         "--interference-model",
         default=None,
@@ -477,18 +1061,29 @@ def spec_from_args(args: argparse.Namespace) -> GridSpec:
         raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.seeds is not None and args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.max_workers < 2:
+        raise ValueError(f"--max-workers must be >= 2, got {args.max_workers}")
     return GridSpec(
         policies=args.policies or DEFAULT_POLICIES,
         traces=args.traces or (FULL_TRACES if full else DEFAULT_TRACES),
         models=args.models or (FULL_MODELS if full else DEFAULT_MODELS),
         shapes=args.shapes or (FULL_SHAPES if full else DEFAULT_SHAPES),
-        load_fractions=args.loads or (FULL_LOADS if full else DEFAULT_LOADS),
+        latency_loads=args.latency_loads or LATENCY_LOADS,
+        throughput_loads=args.throughput_loads or THROUGHPUT_LOADS,
         gpu=args.gpu,
         max_requests=args.max_requests,
         seed=args.seed,
+        seeds=args.seeds or (FULL_SEEDS if full else DEFAULT_SEEDS),
+        splits=args.splits or (FULL_SPLITS if full else DEFAULT_SPLITS),
         full=full,
-        oracle=not args.no_oracle,
         interference_model=args.interference_model,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        open_loop_arrivals=args.arrivals,
+        gpus_needed=not args.no_gpus_needed,
+        max_workers=args.max_workers,
         **model_options(args),
     )
 
@@ -498,10 +1093,12 @@ def check_names(spec: GridSpec) -> None:
     from envs.traces import BUNDLED_TRACES
     from policies.node_policies import node_policy_names
 
-    known = {"static", *node_policy_names()}
+    known = {"static", *node_policy_names(), *GRID_BASELINES}
     for policy in spec.policies:
         if policy not in known:
             raise ValueError(f"--policies: unknown policy {policy!r}; known: {sorted(known)}")
+    if "static" not in spec.policies:
+        raise ValueError("--policies: must include static (every change is measured against it)")
     for trace in spec.traces:
         if trace not in BUNDLED_TRACES:
             raise ValueError(f"--traces: unknown bundled trace {trace!r}; known: {sorted(BUNDLED_TRACES)}")
@@ -526,24 +1123,17 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.json:
         write_json(Path(args.json), results, indent=1)
-    failed = [p["label"] for p in results["points"] if p.get("error")] + [
-        c["label"] for c in results["failed_oracle"]
-    ]
-    print(f"compare: {len(results['points'])} grid points in {results['wall_s']:.0f} s -> {out}/report.md")
-    for policy, row in results["summary"].items():
-        g_in, g_out = row["input_tokens_per_s_change"], row["output_tokens_per_s_change"]
-        print(
-            f"  {policy}: input {_pct(g_in)}, output {_pct(g_out)} geo-mean over static "
-            f"({row['n_headline_points']} points)"
-        )
+    print(
+        f"compare: {len(results['points'])} rows ({spec.seeds} seed(s)) in {results['wall_s']:.0f} s "
+        f"-> {out}/report.md"
+    )
+    for line in report.headline_lines(results):
+        print(f"  {line}")
+    failed = [r.get("label") or r.get("name") for r in results["failed"]]
     if failed:
         print(
-            f"compare: {len(failed)} simulation(s) failed, see report.md: {', '.join(failed[:5])}",
+            f"compare: {len(failed)} job(s) failed, see report.md: {', '.join(map(str, failed[:5]))}",
             file=sys.stderr,
         )
         return 1
     return 0
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:+.1f} %"

@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from envs.arrivals import sample_sessions, subset
+import numpy as np
+
+from envs.arrivals import poisson_retime, sample_sessions, subset
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
@@ -19,13 +21,20 @@ from envs.hardware import Precision
 from envs.metrics import SimResult
 from envs.request import Trace
 from envs.simulator import simulate
-from envs.traces import load_trace
+from envs.splits import ALL, SIDES, trace_side
+from policies.slo import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
 
 DEFAULT_TP: dict[str, int] = {"gpt-oss-120b": 1, "glm-5": 8, "glm-4.5-air": 2, "llama-3.1-70b": 4}
 """Tensor-parallel degree per worker when the user gives none (the smallest that fits with room for KV)."""
 
 DEFAULT_SESSION_RATE_PER_S: dict[str, float] = {"agent": 0.004}
 """Closed-loop traces: sessions started per second at load factor 1."""
+
+OPEN_LOOP_ARRIVALS = ("recorded", "poisson")
+"""``Point.open_loop_arrivals``: the recording's timestamps, or a seeded per-minute Poisson re-timing
+(``envs.arrivals.poisson_retime``) so that seeds vary open-loop traces too."""
+_RETIME_STREAM = 0xA11
+"""Second word of the re-timing generator's seed, so it never shares a stream with the simulator's."""
 
 MAX_THINK_S = 300.0
 """Think times above this are capped in experiments: a session idle for longer (a person away) adds
@@ -87,6 +96,28 @@ class Point:
     """Data-parallel attention replicas per worker (MoE models)."""
     cluster_overrides: tuple[tuple[str, Any], ...] = ()
     """``ClusterConfig`` fields set away from their defaults, e.g. ``(("decode_prefix_cache", True),)``."""
+    split: str = ALL
+    """Side of the development / held-out split (``envs.splits``): ``all``, ``dev`` or ``heldout``; taken
+    before ``max_requests``."""
+    open_loop_arrivals: str = "recorded"
+    """Open-loop traces: ``recorded`` timestamps or ``poisson`` (a per-minute re-timing drawn from
+    ``seed``, see ``OPEN_LOOP_ARRIVALS``). Ignored by closed-loop traces, whose seed draws the session
+    starts."""
+    slo_ttft_s: float = DEFAULT_TTFT_SLO_S
+    slo_tpot_s: float = DEFAULT_TPOT_SLO_S
+    """The per-request SLO of the cluster (what ``RunMetrics.slo_attainment`` counts, and the ITL target
+    the lending policies derive from it)."""
+
+    def __post_init__(self) -> None:
+        if self.split not in (ALL, *SIDES):
+            raise ValueError(f"Point.split must be one of {(ALL, *SIDES)}, got {self.split!r}")
+        if self.open_loop_arrivals not in OPEN_LOOP_ARRIVALS:
+            raise ValueError(
+                f"Point.open_loop_arrivals must be one of {OPEN_LOOP_ARRIVALS}, "
+                f"got {self.open_loop_arrivals!r}"
+            )
+        if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0):
+            raise ValueError(f"Point SLO must be positive, got {self.slo_ttft_s} s, {self.slo_tpot_s} s")
 
     @property
     def resolved_tp(self) -> int:
@@ -94,14 +125,32 @@ class Point:
 
     def cluster(self) -> ClusterConfig:
         return ClusterConfig.from_shape(
-            self.shape, gpu=self.gpu, model=self.model, tp=self.resolved_tp, **dict(self.cluster_overrides)
+            self.shape,
+            gpu=self.gpu,
+            model=self.model,
+            tp=self.resolved_tp,
+            slo_ttft_s=self.slo_ttft_s,
+            slo_tpot_s=self.slo_tpot_s,
+            **dict(self.cluster_overrides),
         )
 
     def label(self) -> str:
         return (
             f"{self.policy}|{self.trace}|{self.model}|{self.shape}|load={self.load:g}|seed={self.seed}"
             + self.deployment_suffix()
+            + self.workload_suffix()
         )
+
+    def workload_suffix(self) -> str:
+        """``|split=heldout|arrivals=poisson|slo=5s,50ms`` for the workload fields off their defaults."""
+        parts = []
+        if self.split != ALL:
+            parts.append(f"|split={self.split}")
+        if self.open_loop_arrivals != "recorded":
+            parts.append(f"|arrivals={self.open_loop_arrivals}")
+        if (self.slo_ttft_s, self.slo_tpot_s) != (DEFAULT_TTFT_SLO_S, DEFAULT_TPOT_SLO_S):
+            parts.append(f"|slo={self.slo_ttft_s:g}s,{1e3 * self.slo_tpot_s:g}ms")
+        return "".join(parts)
 
     def deployment_suffix(self) -> str:
         """``|dtype=fp8|ep=8`` for the precision/parallelism fields that differ from their defaults."""
@@ -130,8 +179,13 @@ class Point:
 
 
 def prepare_trace(point: Point) -> Trace:
-    trace = head(load_trace(point.trace), point.max_requests)
-    return cap_think_time(trace, point.max_think_s)
+    """The trace ``point`` replays: its split side, first ``max_requests``, think times capped, and (open
+    loop, ``open_loop_arrivals="poisson"``) arrivals re-timed from ``seed``."""
+    trace = head(trace_side(point.trace, point.split), point.max_requests)
+    trace = cap_think_time(trace, point.max_think_s)
+    if point.open_loop_arrivals == "poisson" and not trace.closed_loop:
+        trace = poisson_retime(trace, np.random.default_rng([abs(point.seed), _RETIME_STREAM]))
+    return trace
 
 
 def session_rate(point: Point, trace: Trace) -> float | None:

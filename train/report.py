@@ -1,13 +1,15 @@
-"""What a `crossflow compare` run means: oracle choice, gains over static, targets, report.md and plots.
+"""What a `crossflow compare` run means: intervals over seeds, the two regimes, the bound, report.md, plots.
 
-Pure functions over the plain dicts ``train.compare`` collects (one per simulated point, see
-``train.compare.PointResult``), so every figure can be checked by hand on a tiny fixture. Writing
-(``write_report``) is the only side effect: ``report.md`` and PNGs, each written to a temp file and
-renamed, so a crashed run never leaves half a report.
+Pure functions over the plain dicts ``train.compare`` collects (``results["points"]``: one row per
+policy, point and seed; ``results["capacity"]``: one capacity-at-SLO search per policy, shape and
+seed), so every figure can be checked by hand on a tiny fixture. Changes vs static are paired by seed
+(``train.stats``). Writing (``write_report``) is the only side effect: ``report.md`` and PNGs, each
+written to a temp file and renamed, so a crashed run never leaves half a report.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -17,125 +19,244 @@ from pathlib import Path
 from typing import Any
 
 from envs.cluster_config import parse_shape
-
-ITL_TOLERANCE = 0.05
-"""The oracle may only pick a split whose mean ITL is within this share of the original split's."""
-
-MIN_ORACLE_GAIN = 1e-3
-"""Below this relative gain the oracle equals static and a share of its gain is undefined (None)."""
+from train import stats
 
 GUARD_SHAPE = (4, 2)
 """The prefill-heavy extreme (4P2D): lending cannot help much there, the target is only 'do no harm'."""
 
 TARGETS = {"input_gain": 0.174, "output_gain": 0.162, "itl_worse": 0.05, "guard_worse": 0.01}
-"""The issue's targets (the paper's geo-mean gains, the ITL allowance, the 4P2D allowance)."""
+"""The paper's geo-mean throughput gains, the mean-ITL allowance, the 4P2D allowance."""
 
-# Metrics in the table and the per-point guard check: name -> (column title, higher is better, scale, unit)
-TABLE_METRICS: dict[str, tuple[str, bool, float, str]] = {
-    "input_tokens_per_s": ("in tok/s", True, 1.0, ""),
-    "output_tokens_per_s": ("out tok/s", True, 1.0, ""),
-    "ttft_mean_s": ("TTFT mean", False, 1.0, " s"),
-    "ttft_p99_s": ("TTFT p99", False, 1.0, " s"),
-    "itl_mean_s": ("ITL mean", False, 1e3, " ms"),
-    "itl_p99_s": ("ITL p99", False, 1e3, " ms"),
+LATENCY_METRICS: dict[str, tuple[str, float, str]] = {
+    "ttft_mean_s": ("TTFT mean", 1.0, "s"),
+    "ttft_p50_s": ("TTFT p50", 1.0, "s"),
+    "ttft_p99_s": ("TTFT p99", 1.0, "s"),
+    "itl_mean_s": ("ITL mean", 1e3, "ms"),
+    "itl_p99_s": ("ITL p99", 1e3, "ms"),
 }
-
-
-def point_key(point: Mapping[str, Any]) -> tuple[str, str, str, float]:
-    """(trace, model, shape, absolute load): the points whose policies are compared with each other."""
-    return (point["trace"], point["model"], point["shape"], round(float(point["load"]), 12))
+"""Latency-regime metrics (lower is better): name -> (title, scale, unit)."""
+THROUGHPUT_METRICS: dict[str, tuple[str, float, str]] = {
+    "input_tokens_per_s": ("in tok/s", 1.0, ""),
+    "output_tokens_per_s": ("out tok/s", 1.0, ""),
+}
+"""Steady-window throughput metrics (higher is better), read from a row's ``steady`` dict."""
+HEADLINE_LATENCY = ("ttft_mean_s", "ttft_p99_s", "itl_mean_s", "itl_p99_s")
+GROUPS = ("headline", "guard")
 
 
 def is_guard_shape(shape: str) -> bool:
     return parse_shape(shape) == GUARD_SHAPE
 
 
-def choose_oracle(
-    original: Mapping[str, float], candidates: Mapping[str, Mapping[str, float]], original_shape: str
-) -> str:
-    """Best static split in hindsight: the shape among ``candidates`` (shape -> metrics, all static, same
-    GPU count, same arrivals; the original included) with the highest input throughput whose mean ITL is
-    at most ``1 + ITL_TOLERANCE`` times the original's and which finishes at least as many requests.
+def group_of(shape: str) -> str:
+    return "guard" if is_guard_shape(shape) else "headline"
 
-    Ties, and gains below ``MIN_ORACLE_GAIN``, keep the original shape. Candidates with a non-finite
-    throughput or ITL are skipped.
-    """
-    original_tps = float(original["input_tokens_per_s"])
-    best_shape, best_tps = original_shape, original_tps
-    itl_cap_s = (1.0 + ITL_TOLERANCE) * float(original["itl_mean_s"])
-    for shape, m in sorted(candidates.items()):
-        tps, itl_s = float(m["input_tokens_per_s"]), float(m["itl_mean_s"])
-        if not (math.isfinite(tps) and math.isfinite(itl_s)) or itl_s > itl_cap_s:
+
+def point_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """(trace, model, split, shape, regime, load fraction): the rows whose policies are compared."""
+    return (
+        row["trace"],
+        row["model"],
+        row["split"],
+        row["shape"],
+        row["regime"],
+        float(row["load_fraction"]),
+    )
+
+
+def row_value(row: Mapping[str, Any], metric: str) -> float:
+    """A metric of one row: a ``RunMetrics`` field, or ``steady_<field>`` / ``bound_share`` from the
+    steady window (served best-case work over the fluid bound)."""
+    if metric == "bound_share":
+        limit = (row.get("bound") or {}).get("work_per_s", math.nan)
+        served = (row.get("steady") or {}).get("work_per_s", math.nan)
+        return served / limit if limit and math.isfinite(limit) and limit > 0 else math.nan
+    if metric.startswith("steady_"):
+        return float((row.get("steady") or {}).get(metric[len("steady_") :], math.nan))
+    return float((row.get("metrics") or {}).get(metric, math.nan))
+
+
+def _ok(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in rows if r.get("metrics")]
+
+
+def by_point(
+    rows: Sequence[Mapping[str, Any]],
+) -> dict[tuple[Any, ...], dict[str, dict[int, Mapping[str, Any]]]]:
+    """point key -> policy -> seed -> row."""
+    out: dict[tuple[Any, ...], dict[str, dict[int, Mapping[str, Any]]]] = {}
+    for r in _ok(rows):
+        out.setdefault(point_key(r), {}).setdefault(r["policy"], {})[int(r["seed"])] = r
+    return out
+
+
+def point_change(
+    policy_rows: Mapping[int, Mapping[str, Any]], static_rows: Mapping[int, Mapping[str, Any]], metric: str
+) -> stats.Interval:
+    """Change of ``metric`` vs static at one point, paired by seed."""
+    return stats.paired_change(
+        {s: row_value(r, metric) for s, r in policy_rows.items()},
+        {s: row_value(r, metric) for s, r in static_rows.items()},
+    )
+
+
+def point_mean(rows: Mapping[int, Mapping[str, Any]], metric: str) -> stats.Interval:
+    return stats.mean_interval(row_value(r, metric) for r in rows.values())
+
+
+def capacity_by_key(results: Mapping[str, Any]) -> dict[tuple[Any, ...], dict[str, dict[int, float]]]:
+    """(trace, model, split, grid shape) -> policy -> seed -> capacity at SLO (hindsight-split too)."""
+    out: dict[tuple[Any, ...], dict[str, dict[int, float]]] = {}
+    for c in results.get("capacity", []):
+        if c.get("error") or not c.get("usable", True) or c.get("role") == "split":
             continue
-        if int(m["n_finished"]) < int(original["n_finished"]):
+        p = c["point"]
+        key = (p["trace"], p["model"], p["split"], p["shape"])
+        out.setdefault(key, {}).setdefault(p["policy"], {})[int(p["seed"])] = float(c["load"])
+    for h in results.get("hindsight", []):
+        key = (h["trace"], h["model"], h["split"], h["grid_shape"])
+        out.setdefault(key, {}).setdefault("hindsight-split", {})[int(h["seed"])] = float(h["load"])
+    return out
+
+
+def unbracketed_by_key(results: Mapping[str, Any]) -> dict[tuple[Any, ...], dict[str, int]]:
+    """(trace, model, split, grid shape) -> policy -> seeds whose capacity search hit a load bound."""
+    out: dict[tuple[Any, ...], dict[str, int]] = {}
+    for c in results.get("capacity", []):
+        if (
+            c.get("error")
+            or not c.get("usable", True)
+            or c.get("role") == "split"
+            or c.get("bracketed", True)
+        ):
             continue
-        if tps > best_tps:
-            best_shape, best_tps = shape, tps
-    # A re-roling that gains (almost) nothing is no re-roling: keep the original split.
-    return best_shape if best_tps > (1.0 + MIN_ORACLE_GAIN) * original_tps else original_shape
+        p = c["point"]
+        key = (p["trace"], p["model"], p["split"], p["shape"])
+        out.setdefault(key, {})[p["policy"]] = out.get(key, {}).get(p["policy"], 0) + 1
+    for h in results.get("hindsight", []):
+        if not h.get("bracketed", True):
+            key = (h["trace"], h["model"], h["split"], h["grid_shape"])
+            out.setdefault(key, {})["hindsight-split"] = out.get(key, {}).get("hindsight-split", 0) + 1
+    return out
 
 
-def oracle_share(policy_value: float, static_value: float, oracle_value: float) -> float | None:
-    """``(policy - static) / (oracle - static)``; None when the oracle gains (almost) nothing over static."""
-    gain = oracle_value - static_value
-    if not all(map(math.isfinite, (policy_value, static_value, oracle_value))):
-        return None
-    if gain <= MIN_ORACLE_GAIN * abs(static_value):
-        return None
-    return (policy_value - static_value) / gain
-
-
-def geo_mean_change(ratios: Iterable[float]) -> float | None:
-    """Geometric mean of ``ratios`` minus one (``+0.174`` = 17.4 % higher); None if none are usable.
-
-    Non-finite and non-positive ratios are skipped (a metric that is zero or NaN at a point has no
-    meaningful ratio)."""
-    logs = [math.log(r) for r in ratios if math.isfinite(r) and r > 0]
-    if not logs:
-        return None
-    return math.exp(sum(logs) / len(logs)) - 1.0
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
-
-
-def paired_points(points: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
-    """(policy point, static point at the same key) for every non-static grid point with metrics."""
-    static = {
-        point_key(p["point"]): p for p in points if p["point"]["policy"] == "static" and p.get("metrics")
-    }
-    pairs = []
-    for p in points:
-        if p["point"]["policy"] == "static" or not p.get("metrics"):
+def capacity_bound_by_key(results: Mapping[str, Any]) -> dict[tuple[Any, ...], dict[int, float]]:
+    out: dict[tuple[Any, ...], dict[int, float]] = {}
+    for b in results.get("capacity_bound", []):
+        if b.get("load") is None:
             continue
-        s = static.get(point_key(p["point"]))
-        if s is not None:
-            pairs.append((p, s))
-    return pairs
+        trace, model, split = b["combo"].split("|")
+        out.setdefault((trace, model, split, b["shape"]), {})[int(b["seed"])] = float(b["load"])
+    return out
 
 
-def summarise(points: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per non-static policy: geo-mean change over static of every table metric (all shapes, and the
-    headline shapes = all but 4P2D), the mean share of oracle gain, and how many points entered."""
-    by_policy: dict[str, list[tuple[Mapping[str, Any], Mapping[str, Any]]]] = {}
-    for p, s in paired_points(points):
-        by_policy.setdefault(p["point"]["policy"], []).append((p, s))
-    out: dict[str, dict[str, Any]] = {}
-    for policy, pairs in sorted(by_policy.items()):
-        headline = [(p, s) for p, s in pairs if not is_guard_shape(p["point"]["shape"])]
-        row: dict[str, Any] = {"n_points": len(pairs), "n_headline_points": len(headline)}
-        for metric in TABLE_METRICS:
-            row[f"{metric}_change_all"] = geo_mean_change(
-                _ratio(p["metrics"][metric], s["metrics"][metric]) for p, s in pairs
-            )
-            row[f"{metric}_change"] = geo_mean_change(
-                _ratio(p["metrics"][metric], s["metrics"][metric]) for p, s in headline
-            )
-        shares = [p["oracle_share"] for p, _ in pairs if p.get("oracle_share") is not None]
-        row["oracle_share_mean"] = sum(shares) / len(shares) if shares else None
-        row["oracle_share_points"] = len(shares)
-        out[policy] = row
+def _entry(change: stats.Interval, higher_is_better: bool) -> dict[str, Any]:
+    return {**change.to_dict(), "verdict": stats.verdict(change, higher_is_better)}
+
+
+def _group_points(
+    grouped: Mapping[tuple[Any, ...], Mapping[str, Any]], side: str, group: str, policy: str
+) -> list[tuple[tuple[Any, ...], Mapping[str, Any]]]:
+    return [
+        (k, v)
+        for k, v in grouped.items()
+        if k[2] == side and group_of(k[3]) == group and policy in v and "static" in v
+    ]
+
+
+def _paired_triples(
+    pts: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]], policy: str, regime: str, metric: str
+) -> list[tuple[int, float, float]]:
+    return [
+        (s, row_value(v[policy][s], metric), row_value(v["static"][s], metric))
+        for k, v in pts
+        if k[4] == regime
+        for s in v[policy]
+        if s in v["static"]
+    ]
+
+
+def _bound_cells(pts: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]], policy: str) -> dict[str, Any]:
+    """``bound_share`` and ``gap_closed`` over the throughput points: per seed the mean over points."""
+    share: dict[int, list[float]] = {}
+    gap: dict[int, list[float]] = {}
+    for k, v in pts:
+        if k[4] != "throughput":
+            continue
+        for s, r in v[policy].items():
+            x = row_value(r, "bound_share")
+            if math.isfinite(x):
+                share.setdefault(s, []).append(x)
+            if s in v["static"]:
+                b = (r.get("bound") or {}).get("work_per_s", math.nan)
+                p_w, s_w = row_value(r, "steady_work_per_s"), row_value(v["static"][s], "steady_work_per_s")
+                if math.isfinite(b) and b - s_w > 1e-9 * b:
+                    gap.setdefault(s, []).append((p_w - s_w) / (b - s_w))
+    out = {"bound_share": stats.mean_interval(sum(x) / len(x) for x in share.values()).to_dict()}
+    if policy != "static":
+        out["gap_closed"] = stats.mean_interval(sum(x) / len(x) for x in gap.values()).to_dict()
+    return out
+
+
+def _capacity_cells(
+    caps: Mapping[tuple[Any, ...], Mapping[str, Mapping[int, float]]],
+    limits: Mapping[tuple[Any, ...], Mapping[int, float]],
+    side: str,
+    group: str,
+    policy: str,
+) -> dict[str, Any]:
+    """``capacity_at_slo`` (change vs static) and ``capacity_bound_share`` over the group's shapes."""
+    keys = [k for k, pol in caps.items() if k[2] == side and group_of(k[3]) == group and policy in pol]
+    out: dict[str, Any] = {}
+    if policy != "static":
+        triples = [
+            (s, caps[k][policy][s], caps[k]["static"][s])
+            for k in keys
+            if "static" in caps[k]
+            for s in caps[k][policy]
+            if s in caps[k]["static"]
+        ]
+        out["capacity_at_slo"] = _entry(stats.aggregate_change(triples), higher_is_better=True)
+    share: dict[int, list[float]] = {}
+    for k in keys:
+        for s, cap in caps[k][policy].items():
+            limit = limits.get(k, {}).get(s)
+            if limit:
+                share.setdefault(s, []).append(cap / limit)
+    out["capacity_bound_share"] = stats.mean_interval(sum(x) / len(x) for x in share.values()).to_dict()
+    return out
+
+
+def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """Per policy -> split side -> group (``headline``: all shapes but 4P2D; ``guard``: 4P2D) -> metric:
+    the change vs static over the group's points, per seed a geometric mean over points, with the
+    interval over seeds and its verdict. Metrics: the latency ones (latency regime), ``capacity_at_slo``,
+    ``steady_input_tokens_per_s`` / ``steady_output_tokens_per_s`` (throughput points), and, for every
+    policy static included, ``bound_share`` (served best-case work / fluid bound, mean over points and
+    seeds), ``gap_closed`` (``(policy - static) / (bound - static)`` of the same) and
+    ``capacity_bound_share`` (capacity at SLO / its fluid bound; open-loop traces)."""
+    grouped = by_point(results["points"])
+    caps = capacity_by_key(results)
+    limits = capacity_bound_by_key(results)
+    policies = sorted({p for v in grouped.values() for p in v} | {p for v in caps.values() for p in v})
+    sides = sorted({k[2] for k in grouped} | {k[2] for k in caps})
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for policy, side, group in itertools.product(policies, sides, GROUPS):
+        pts = _group_points(grouped, side, group, policy)
+        cell: dict[str, Any] = {}
+        if policy != "static":
+            for metric in LATENCY_METRICS:
+                change = stats.aggregate_change(_paired_triples(pts, policy, "latency", metric))
+                cell[metric] = _entry(change, higher_is_better=False)
+            for metric in THROUGHPUT_METRICS:
+                change = stats.aggregate_change(
+                    _paired_triples(pts, policy, "throughput", f"steady_{metric}")
+                )
+                cell[f"steady_{metric}"] = _entry(change, higher_is_better=True)
+        cell.update(_capacity_cells(caps, limits, side, group, policy))
+        cell.update(_bound_cells(pts, policy))
+        cell["n_points"] = len(pts)
+        out.setdefault(policy, {}).setdefault(side, {})[group] = cell
     return out
 
 
@@ -147,77 +268,104 @@ def _target(name: str, ok: bool | None, measured: str) -> dict[str, Any]:
     }
 
 
-def _worst(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], metric: str) -> tuple[float, str]:
-    """Largest relative worsening of ``metric`` over static and where it happened (NaN if no pairs)."""
-    higher_better = TABLE_METRICS[metric][1]
-    worst, where = -math.inf, ""
-    for p, s in pairs:
-        r = _ratio(p["metrics"][metric], s["metrics"][metric])
-        if not math.isfinite(r):
-            continue
-        worse = (1.0 - r) if higher_better else (r - 1.0)
-        if worse > worst:
-            pt = p["point"]
-            where = f"{pt['trace']}/{pt['model']}/{pt['shape']}/load {p['load_fraction']:g}x sat"
-            worst = worse
-    return (worst if math.isfinite(worst) else math.nan), where
+def _where(key: tuple[Any, ...]) -> str:
+    return f"{key[0]}/{key[1]}/{key[2]}/{key[3]} {key[4]} {key[5]:g}x sat"
 
 
-def evaluate_targets(points: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The issue's targets per non-static policy, each PASS / MISS (n/a without applicable points)."""
-    summary = summarise(points)
-    pairs_by_policy: dict[str, list[tuple[Mapping[str, Any], Mapping[str, Any]]]] = {}
-    for p, s in paired_points(points):
-        pairs_by_policy.setdefault(p["point"]["policy"], []).append((p, s))
+def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The paper's targets per non-static policy, judged with the seed intervals (held-out side first):
+    throughput gains at the overload points, TTFT never a claimed loss and mean ITL at most +5 % at any
+    latency point (all shapes but 4P2D), and no claimed loss over 1 % on 4P2D."""
+    summary = summarise(results)
+    grouped = by_point(results["points"])
     out: dict[str, list[dict[str, Any]]] = {}
-    for policy, pairs in sorted(pairs_by_policy.items()):
-        head = [(p, s) for p, s in pairs if not is_guard_shape(p["point"]["shape"])]
-        guard = [(p, s) for p, s in pairs if is_guard_shape(p["point"]["shape"])]
-        row = summary[policy]
-        results = []
-        for metric, key in (("input_tokens_per_s", "input_gain"), ("output_tokens_per_s", "output_gain")):
-            g = row[f"{metric}_change"]
-            results.append(
-                _target(
-                    f"{TABLE_METRICS[metric][0]} geo-mean gain >= +{100 * TARGETS[key]:.1f} %",
-                    None if g is None else g >= TARGETS[key],
-                    "no points" if g is None else f"{100 * g:+.1f} % over {len(head)} point(s)",
+    for policy, sides in summary.items():
+        if policy == "static":
+            continue
+        res: list[dict[str, Any]] = []
+        for side, groups in sides.items():
+            head = groups.get("headline", {})
+            for metric, key in (
+                ("steady_input_tokens_per_s", "input_gain"),
+                ("steady_output_tokens_per_s", "output_gain"),
+            ):
+                e = head.get(metric) or {}
+                ok = None if not e.get("n") else e["mean"] >= TARGETS[key]
+                title = THROUGHPUT_METRICS[metric[len("steady_") :]][0]
+                res.append(
+                    _target(
+                        f"[{side}] {title} at overload: geo-mean gain >= +{100 * TARGETS[key]:.1f} %",
+                        ok,
+                        "no points"
+                        if ok is None
+                        else f"{_pct(e['mean'])} {_ci(e)} over {head['n_points']} point(s)",
+                    )
                 )
-            )
-        for metric in ("ttft_mean_s", "ttft_p99_s"):
-            worst, where = _worst(head, metric)
-            ok = None if not head or math.isnan(worst) else worst < 0.0
-            results.append(
+            pts = [
+                (k, v)
+                for k, v in grouped.items()
+                if k[2] == side and k[4] == "latency" and policy in v and "static" in v
+            ]
+            head_pts = [(k, v) for k, v in pts if not is_guard_shape(k[3])]
+            for metric in ("ttft_mean_s", "ttft_p99_s"):
+                losses = [
+                    k
+                    for k, v in head_pts
+                    if stats.verdict(point_change(v[policy], v["static"], metric), False) == "loss"
+                ]
+                ok = None if not head_pts else not losses
+                res.append(
+                    _target(
+                        f"[{side}] {LATENCY_METRICS[metric][0]}: no claimed loss at any latency point",
+                        ok,
+                        "no points"
+                        if ok is None
+                        else (f"losses at {', '.join(map(_where, losses))}" if losses else "none"),
+                    )
+                )
+            worst, where = -math.inf, ""
+            for k, v in head_pts:
+                ch = point_change(v[policy], v["static"], "itl_mean_s").mean
+                if math.isfinite(ch) and ch > worst:
+                    worst, where = ch, _where(k)
+            ok = None if not head_pts or not math.isfinite(worst) else worst <= TARGETS["itl_worse"]
+            res.append(
                 _target(
-                    f"{TABLE_METRICS[metric][0]} lower than static at every point",
+                    f"[{side}] ITL mean at most +{100 * TARGETS['itl_worse']:.0f} % at every latency point",
                     ok,
-                    "no points" if ok is None else f"worst change {100 * worst:+.1f} % at {where}",
+                    "no points" if ok is None else f"worst {_pct(worst)} at {where}",
                 )
             )
-        worst, where = _worst(head, "itl_mean_s")
-        ok = None if not head or math.isnan(worst) else worst <= TARGETS["itl_worse"]
-        results.append(
-            _target(
-                f"ITL mean at most +{100 * TARGETS['itl_worse']:.0f} % at every point",
-                ok,
-                "no points" if ok is None else f"worst {100 * worst:+.1f} % at {where}",
+            guard = [
+                (k, v)
+                for k, v in grouped.items()
+                if k[2] == side and is_guard_shape(k[3]) and policy in v and "static" in v
+            ]
+            worst, where = -math.inf, ""
+            for k, v in guard:
+                metrics = (
+                    HEADLINE_LATENCY
+                    if k[4] == "latency"
+                    else tuple(f"steady_{m}" for m in THROUGHPUT_METRICS)
+                )
+                for metric in metrics:
+                    change = point_change(v[policy], v["static"], metric)
+                    higher = metric.startswith("steady_")
+                    if stats.verdict(change, higher) == "loss":
+                        worse = -change.mean if higher else change.mean
+                        if worse > worst:
+                            worst, where = worse, f"{metric} at {_where(k)}"
+            ok = None if not guard else not (worst > TARGETS["guard_worse"])
+            res.append(
+                _target(
+                    f"[{side}] 4P2D: no claimed loss worse than {100 * TARGETS['guard_worse']:.0f} %",
+                    ok,
+                    "no 4P2D points"
+                    if ok is None
+                    else (f"worst {_pct(worst)} ({where})" if where else "no claimed loss"),
+                )
             )
-        )
-        worst_all, where_all, ok_guard = -math.inf, "", None
-        for metric in TABLE_METRICS:
-            worst, where = _worst(guard, metric)
-            if not math.isnan(worst) and worst > worst_all:
-                worst_all, where_all = worst, f"{TABLE_METRICS[metric][0]} at {where}"
-        if guard and math.isfinite(worst_all):
-            ok_guard = worst_all <= TARGETS["guard_worse"]
-        results.append(
-            _target(
-                f"4P2D: no metric worse than static by > {100 * TARGETS['guard_worse']:.0f} %",
-                ok_guard,
-                "no 4P2D points" if ok_guard is None else f"worst {100 * worst_all:+.1f} % ({where_all})",
-            )
-        )
-        out[policy] = results
+        out[policy] = res
     return out
 
 
@@ -230,12 +378,12 @@ def normalise_reason(kind: str, reason: str, path: str | None = None) -> str:
     return f"{label}: {_NUMBER.sub('#', reason)}"
 
 
-def top_reasons(points: Sequence[Mapping[str, Any]], policy: str, k: int = 5) -> list[tuple[str, int]]:
-    """The ``k`` most frequent normalised decision reasons of ``policy`` over all its grid points."""
+def top_reasons(rows: Sequence[Mapping[str, Any]], policy: str, k: int = 5) -> list[tuple[str, int]]:
+    """The ``k`` most frequent normalised decision reasons of ``policy`` over its rows."""
     total: Counter[str] = Counter()
-    for p in points:
-        if p["point"]["policy"] == policy:
-            total.update(p.get("reasons") or {})
+    for r in rows:
+        if r["policy"] == policy:
+            total.update(r.get("reasons") or {})
     return total.most_common(k)
 
 
@@ -248,87 +396,342 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 3) -> str:
 
 
 def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:+.1f} %"
+    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:+.1f} %"
 
 
-def points_table(points: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Markdown table: one row per grid point, sorted by trace, model, shape, load, policy."""
-    head = ["trace", "model", "shape", "load (x sat)", "policy"]
-    head += [f"{title}{unit and ' (' + unit.strip() + ')'}" for title, _, _, unit in TABLE_METRICS.values()]
-    head += ["finished", "borrowed", "lease util", "oracle share", "oracle split"]
+def _ci(e: Mapping[str, Any]) -> str:
+    if not e or e.get("n", 0) < 2 or not math.isfinite(e.get("low", math.nan)):
+        return "[no interval]"
+    return f"[{100 * e['low']:+.1f}, {100 * e['high']:+.1f}]"
+
+
+def change_cell(e: Mapping[str, Any] | None) -> str:
+    """``-12.3 % [-15.1, -9.4] win``: mean change, 95 % interval, verdict."""
+    if not e or not e.get("n"):
+        return "n/a"
+    return f"{_pct(e['mean'])} {_ci(e)} {e.get('verdict', '')}".strip()
+
+
+def mean_cell(it: stats.Interval | Mapping[str, Any], scale: float = 1.0, pct: bool = False) -> str:
+    """``3.41 ± 0.12`` (mean ± half of the 95 % interval) or ``n/a``."""
+    d = it.to_dict() if isinstance(it, stats.Interval) else it
+    if not d or not d.get("n") or not math.isfinite(d["mean"]):
+        return "n/a"
+    if pct:
+        scale, fmt = 100 * scale, (lambda v: f"{v:.0f} %")
+    else:
+        fmt = lambda v: _fmt(v, 1.0)  # noqa: E731
+    if d["n"] < 2:
+        return fmt(scale * d["mean"])
+    half = scale * (d["high"] - d["low"]) / 2
+    return f"{fmt(scale * d['mean'])} ± {fmt(half).rstrip(' %')}{' %' if pct else ''}"
+
+
+def _table(head: Sequence[str], body: Iterable[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    order = sorted(
-        points, key=lambda p: (*point_key(p["point"])[:3], p["load_fraction"], p["point"]["policy"])
-    )
-    for p in order:
-        pt = p["point"]
-        cells = [pt["trace"], pt["model"], pt["shape"], f"{p['load_fraction']:g}", pt["policy"]]
-        m = p.get("metrics")
-        if not m:
-            cells += [f"failed: {p.get('error', '?')}"] + [""] * (len(head) - len(cells) - 1)
-        else:
-            cells += [_fmt(m[k], scale) for k, (_, _, scale, _) in TABLE_METRICS.items()]
-            cap = " (time cap)" if p.get("time_capped") else ""
-            cells.append(f"{m['n_finished']:,}/{m['n_requests']:,}{cap}")
-            cells += [f"{100 * m['borrowed_share']:.1f} %", f"{100 * m['lease_utilisation']:.1f} %"]
-            share = p.get("oracle_share")
-            cells += ["n/a" if share is None else f"{100 * share:.0f} %", p.get("oracle_shape") or "n/a"]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
     return lines
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def headline_tables(summary: Mapping[str, Any]) -> list[str]:
+    """The headline: both regimes, every policy vs static, per split side; 4P2D apart."""
+    lines: list[str] = []
+    sides = sorted({side for s in summary.values() for side in s}, key=lambda x: (x != "heldout", x))
+    for group, title in (("headline", "all shapes but 4P2D"), ("guard", "4P2D, do no harm")):
+        for side in sides:
+            rows = [
+                (p, summary[p][side][group])
+                for p in summary
+                if side in summary[p] and group in summary[p][side]
+            ]
+            if not any(cell.get("n_points") for _, cell in rows):
+                continue
+            lines += [
+                "",
+                f"**{side} side, {title}** (change vs static, 95 % interval over seeds, verdict)",
+                "",
+            ]
+            head = ["policy"]
+            head += [f"{LATENCY_METRICS[m][0]} (latency)" for m in HEADLINE_LATENCY]
+            head += [
+                "capacity at SLO",
+                "in tok/s (overload)",
+                "share of bound",
+                "gap to bound closed",
+                "capacity / its bound",
+            ]
+            body = []
+            for policy, cell in rows:
+                cells = [policy]
+                if policy == "static":
+                    cells += ["-"] * (len(HEADLINE_LATENCY) + 2)
+                else:
+                    cells += [change_cell(cell.get(m)) for m in HEADLINE_LATENCY]
+                    cells += [
+                        change_cell(cell.get("capacity_at_slo")),
+                        change_cell(cell.get("steady_input_tokens_per_s")),
+                    ]
+                cells += [mean_cell(cell.get("bound_share", {}), pct=True)]
+                cells += ["-" if policy == "static" else mean_cell(cell.get("gap_closed", {}), pct=True)]
+                cells += [mean_cell(cell.get("capacity_bound_share", {}), pct=True)]
+                body.append(cells)
+            body.sort(key=lambda c: (c[0] != "static", c[0]))
+            lines += _table(head, body)
+    return lines
+
+
+def headline_lines(results: Mapping[str, Any]) -> list[str]:
+    """Short text lines for the console: per policy and side, capacity, overload throughput, TTFT."""
+    lines = []
+    for policy, sides in results["summary"].items():
+        if policy == "static":
+            continue
+        for side, groups in sides.items():
+            cell = groups.get("headline") or {}
+            if not cell.get("n_points"):
+                continue
+            lines.append(
+                f"{policy} [{side}]: capacity at SLO {change_cell(cell.get('capacity_at_slo'))}; "
+                f"in tok/s at overload {change_cell(cell.get('steady_input_tokens_per_s'))}; "
+                f"TTFT mean {change_cell(cell.get('ttft_mean_s'))}"
+            )
+    return lines
+
+
+def _key_label(key: tuple[Any, ...]) -> list[str]:
+    return [str(key[0]), str(key[1]), str(key[2]), str(key[3])]
+
+
+def latency_table(results: Mapping[str, Any]) -> list[str]:
+    grouped = by_point(results["points"])
+    head = ["trace", "model", "split", "shape", "load (x sat)", "policy"]
+    head += [f"{t} ({u})" for t, _, u in LATENCY_METRICS.values()]
+    head += ["SLO met", "TTFT mean vs static", "TTFT p99 vs static", "ITL p99 vs static"]
+    body = []
+    for key in sorted(k for k in grouped if k[4] == "latency"):
+        pols = grouped[key]
+        for policy in sorted(pols, key=lambda p: (p != "static", p)):
+            rows = pols[policy]
+            cells = [*_key_label(key), f"{key[5]:g}", policy]
+            cells += [mean_cell(point_mean(rows, m), scale) for m, (_, scale, _) in LATENCY_METRICS.items()]
+            cells.append(mean_cell(point_mean(rows, "slo_attainment"), pct=True))
+            if policy == "static" or "static" not in pols:
+                cells += ["-"] * 3
+            else:
+                cells += [
+                    change_cell(_entry(point_change(rows, pols["static"], m), False))
+                    for m in ("ttft_mean_s", "ttft_p99_s", "itl_p99_s")
+                ]
+            body.append(cells)
+    return _table(head, body)
+
+
+def throughput_table(results: Mapping[str, Any]) -> list[str]:
+    grouped = by_point(results["points"])
+    head = [
+        "trace",
+        "model",
+        "split",
+        "shape",
+        "load (x sat)",
+        "policy",
+        "in tok/s",
+        "out tok/s",
+        "in tok/s vs static",
+    ]
+    head += ["served work (GPU-s/s)", "fluid bound (GPU-s/s)", "share of bound", "capped"]
+    body = []
+    for key in sorted(k for k in grouped if k[4] == "throughput"):
+        pols = grouped[key]
+        for policy in sorted(pols, key=lambda p: (p != "static", p)):
+            rows = pols[policy]
+            cells = [*_key_label(key), f"{key[5]:g}", policy]
+            cells += [mean_cell(point_mean(rows, f"steady_{m}")) for m in THROUGHPUT_METRICS]
+            if policy == "static" or "static" not in pols:
+                cells.append("-")
+            else:
+                cells.append(
+                    change_cell(_entry(point_change(rows, pols["static"], "steady_input_tokens_per_s"), True))
+                )
+            cells.append(mean_cell(point_mean(rows, "steady_work_per_s")))
+            limits = [(r.get("bound") or {}) for r in rows.values()]
+            bound_mean = stats.mean_interval(b.get("work_per_s", math.nan) for b in limits)
+            binding = sorted({b.get("binding", "?") for b in limits})
+            cells.append(f"{mean_cell(bound_mean)} ({'/'.join(binding)})")
+            cells.append(mean_cell(point_mean(rows, "bound_share"), pct=True))
+            cells.append(str(sum(1 for r in rows.values() if r.get("time_capped"))))
+            body.append(cells)
+    return _table(head, body)
+
+
+def capacity_table(results: Mapping[str, Any]) -> list[str]:
+    caps = capacity_by_key(results)
+    limits = capacity_bound_by_key(results)
+    unbracketed = unbracketed_by_key(results)
+    itl: dict[tuple[Any, ...], dict[str, list[float]]] = {}
+    for c in results.get("capacity", []):
+        if c.get("error") or c.get("role") == "split":
+            continue
+        p = c["point"]
+        key = (p["trace"], p["model"], p["split"], p["shape"])
+        itl.setdefault(key, {}).setdefault(p["policy"], []).append(float(c.get("itl_p99_s", math.nan)))
+    for h in results.get("hindsight", []):
+        key = (h["trace"], h["model"], h["split"], h["grid_shape"])
+        itl.setdefault(key, {}).setdefault("hindsight-split", []).append(float(h.get("itl_p99_s", math.nan)))
+    head = [
+        "trace",
+        "model",
+        "split",
+        "shape",
+        "policy",
+        "capacity at SLO (load)",
+        "vs static",
+        "ITL p99 at capacity (ms)",
+    ]
+    head += ["fluid capacity bound", "capacity / bound"]
+    body = []
+    for key in sorted(caps):
+        pols = caps[key]
+        bound_seeds = limits.get(key, {})
+        for policy in sorted(pols, key=lambda p: (p != "static", p)):
+            seeds = pols[policy]
+            at_bound = unbracketed.get(key, {}).get(policy, 0)
+            note = f" ({at_bound} seed(s) at the search bound)" if at_bound else ""
+            cells = [*_key_label(key), policy, mean_cell(stats.mean_interval(seeds.values())) + note]
+            if policy == "static" or "static" not in pols:
+                cells.append("-")
+            else:
+                cells.append(change_cell(_entry(stats.paired_change(seeds, pols["static"]), True)))
+            cells.append(mean_cell(stats.mean_interval(itl.get(key, {}).get(policy, [])), 1e3))
+            cells.append(
+                mean_cell(stats.mean_interval(bound_seeds.values())) if bound_seeds else "n/a (closed loop)"
+            )
+            shares = [seeds[s] / bound_seeds[s] for s in seeds if bound_seeds.get(s)]
+            cells.append(mean_cell(stats.mean_interval(shares), pct=True) if shares else "n/a")
+            body.append(cells)
+    return _table(head, body)
+
+
+def gpus_table(results: Mapping[str, Any]) -> list[str]:
+    head = [
+        "trace",
+        "model",
+        "split",
+        "policy",
+        "GPUs needed",
+        "shape",
+        "fluid lower bound (GPUs)",
+        "simulations",
+    ]
+    body = []
+    for g in sorted(
+        results.get("gpus_needed", []),
+        key=lambda g: (
+            g["point"]["trace"],
+            g["point"]["model"],
+            g["point"]["split"],
+            g["point"]["policy"] != "static",
+        ),
+    ):
+        p = g["point"]
+        if g.get("error"):
+            body.append(
+                [p["trace"], p["model"], p["split"], p["policy"], f"failed: {g['error']}", "", "", ""]
+            )
+            continue
+        tp = int(g.get("tp", 1))
+        gpus = "n/a" if g.get("workers") is None else f"{g['gpus']} ({g['workers']} workers x TP{tp})"
+        if g.get("workers") is None:
+            gpus = f"> {results['grid']['max_workers'] * tp}"
+        fluid = g.get("fluid_min_workers")
+        body.append(
+            [
+                p["trace"],
+                p["model"],
+                p["split"],
+                p["policy"],
+                gpus,
+                g.get("shape") or "-",
+                "n/a (closed loop)" if fluid is None else str(fluid * tp),
+                str(g.get("n_simulations", "")),
+            ]
+        )
+    return _table(head, body)
+
+
+def _loads(values: Iterable[float]) -> str:
+    return ", ".join(f"{x:g}" for x in values)
 
 
 def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
     """report.md's text from a results dict (``train.compare`` writes the same dict as results.json)."""
-    points = results["points"]
-    summary = summarise(points)
-    targets = evaluate_targets(points)
     grid = results["grid"]
+    summary = results.get("summary") or summarise(results)
+    targets = results.get("targets") or evaluate_targets(results)
+    seeds = grid["seed_list"]
     lines = [f"# Crossflow compare: {results['run_id']}", "", f"Command: `{results['command']}`", ""]
     lines += [
-        f"Grid: policies {', '.join(grid['policies'])}; traces {', '.join(grid['traces'])}; "
-        f"models {', '.join(grid['models'])}; shapes {', '.join(grid['shapes'])}; "
-        f"loads {', '.join(f'{x:g}' for x in grid['load_fractions'])} x static saturation; "
-        f"subsets {grid['subsets']}; seed {grid['seed']}. "
+        f"Grid: policies {', '.join(grid['policies'])}; traces {', '.join(grid['traces'])} "
+        f"(split sides: {', '.join(grid['splits'])}); models {', '.join(grid['models'])}; shapes "
+        f"{', '.join(grid['shapes'])}; latency loads {_loads(grid['latency_loads'])} and throughput loads "
+        f"{_loads(grid['throughput_loads'])} x static saturation; subsets {grid['subsets']}; "
+        f"**{len(seeds)} seed(s)** ({', '.join(map(str, seeds))}); open-loop arrivals "
+        f"{grid['open_loop_arrivals']}; SLO: TTFT <= {grid['slo_ttft_s']:g} s and TPOT <= "
+        f"{1e3 * grid['slo_tpot_s']:g} ms for >= {100 * results['slo_share_target']:.0f} % of requests. "
         f"Wall time {results['wall_s']:.0f} s with {results['jobs']} job(s).",
         "",
-        "## Static saturation (load matching)",
+        "Intervals are 95 % t-intervals over seeds; changes vs static are paired by seed (geometric mean "
+        "of per-seed ratios). A win or loss is claimed only where the interval excludes zero (`n.s.` "
+        "otherwise)." + ("" if len(seeds) >= 2 else " **One seed: no interval, no claim.**"),
         "",
-        f"Saturation = highest load factor at which static keeps >= "
-        f"{100 * results['saturation_threshold']:.0f} % of requests within SLO (unfinished count as misses); "
-        "where static misses that even when idle, >= that share of its idle SLO share (rule: relative).",
-        "",
-        "| trace | model | shape | saturation load | rule | probes |",
-        "|---|---|---|---|---|---|",
+        "## Headline",
     ]
-    for s in results["saturation"]:
-        note = "" if s["bracketed"] else " (not bracketed: search bound)"
-        rule = f">= {100 * s['threshold']:.0f} %"
-        if s["relative"]:
-            rule += f" (relative: idle share {100 * s['idle_share']:.1f} %)"
-        load = (
-            f"{s['load']:.4g}{note}" if s["usable"] else "none: static misses the SLO at every load, skipped"
-        )
-        lines.append(f"| {s['trace']} | {s['model']} | {s['shape']} | {load} | {rule} | {len(s['probes'])} |")
-    lines += ["", "## Every point", ""]
-    lines += points_table(points)
-    lines += ["", "## Geo-mean change over static (matched points, all shapes but 4P2D)", ""]
-    head = ["policy", "points", *[t for t, _, _, _ in TABLE_METRICS.values()], "mean oracle share"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for policy, row in summary.items():
-        cells = [policy, str(row["n_headline_points"])]
-        cells += [_pct(row[f"{metric}_change"]) for metric in TABLE_METRICS]
-        share = row["oracle_share_mean"]
-        cells.append("n/a" if share is None else f"{100 * share:.0f} % ({row['oracle_share_points']} pts)")
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += headline_tables(summary)
     lines += [
         "",
-        "## Targets (issue 4; computed, not asserted)",
+        "Share of bound: served best-case work in the steady window over the fluid bound at the overload "
+        "points (train/bound.py); gap closed: (policy - static) / (bound - static) of the same.",
+        "",
+        "## Static saturation (the load points' anchor)",
+        "",
+    ]
+    head = ["trace", "model", "split", "shape", "capacity per seed", "geo-mean", "rule"]
+    body = []
+    for s in results["saturation"]:
+        per_seed = ", ".join(f"{v:.4g}" for _, v in sorted(s["loads"].items()))
+        rule = f">= {100 * results['slo_share_target']:.0f} %"
+        if s["relative"]:
+            idle = [v for v in s["idle_shares"].values() if v is not None]
+            rule = f"relative: >= 90 % of the idle share ({', '.join(f'{100 * v:.1f} %' for v in idle)})"
+        if not s["usable"]:
+            rule = "none: static misses the SLO at every load (skipped)" + (
+                f"; {s['errors']}" if s["errors"] else ""
+            )
+        note = "" if s["bracketed"] else " (not bracketed: search bound)"
+        body.append(
+            [s["trace"], s["model"], s["split"], s["shape"], per_seed + note, f"{s['load']:.4g}", rule]
+        )
+    lines += _table(head, body)
+    lines += ["", "## Capacity regime: capacity at SLO", ""]
+    lines += capacity_table(results)
+    lines += ["", "## Capacity regime: steady-window throughput past saturation", ""]
+    lines += throughput_table(results)
+    lines += ["", "## Latency regime", ""]
+    lines += latency_table(results)
+    lines += ["", "## GPUs needed at the recorded rate (load 1) within SLO", ""]
+    lines += gpus_table(results)
+    if results.get("hindsight"):
+        lines += ["", "## hindsight-split: the split chosen per seed (highest static capacity at SLO)", ""]
+        merged: dict[tuple[Any, ...], list[str]] = {}  # grid shapes of the same GPUs share a choice
+        for h in results["hindsight"]:
+            caps = ", ".join(f"{s} {v:.3g}" for s, v in sorted(h["capacities"].items()))
+            key = (h["trace"], h["model"], h["split"], str(h["seed"]), h["shape"], caps)
+            merged.setdefault(key, []).append(h["grid_shape"])
+        body = [[*k[:3], ", ".join(shapes), *k[3:]] for k, shapes in merged.items()]
+        lines += _table(["trace", "model", "split", "grid shapes", "seed", "chosen", "capacities"], body)
+    lines += [
+        "",
+        "## Targets (computed, not asserted)",
         "",
         "Defined on the paper-style grid (`--full`)."
         + ("" if grid.get("full") else " This run is a smaller grid: read them as indicative."),
@@ -338,16 +741,16 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
         lines += [f"**{policy}**", ""]
         lines += [f"- {r['status']}: {r['target']} ({r['measured']})" for r in rows]
         lines.append("")
-    lines += ["## Top decision reasons (numbers blanked; last 10,000 records per simulation)", ""]
-    for policy in sorted({p["point"]["policy"] for p in points} - {"static"}):
-        reasons = top_reasons(points, policy)
+    lines += ["## Top decision reasons (numbers blanked; first seed, last 10,000 records per simulation)", ""]
+    for policy in sorted({r["policy"] for r in results["points"]} - {"static", "hindsight-split"}):
+        reasons = top_reasons(results["points"], policy)
         lines += [f"**{policy}**", ""]
         lines += [f"- {n:,} x {reason}" for reason, n in reasons] or ["- no decision records"]
         lines.append("")
-    failed = [p for p in points if not p.get("metrics")] + list(results.get("failed_oracle", []))
+    failed = results.get("failed") or []
     if failed:
-        lines += ["## Failed simulations", ""]
-        lines += [f"- {p['label']}: {p.get('error')}" for p in failed]
+        lines += ["## Failed jobs", ""]
+        lines += [f"- {f.get('label') or f.get('name')}: {f.get('error')}" for f in failed]
         lines.append("")
     if plots:
         lines += ["## Plots", ""]
@@ -356,11 +759,17 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def write_report(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     """Write report.md and the PNGs into ``out_dir``; returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pngs = write_plots(results["points"], out)
+    pngs = write_plots(results, out)
     report = out / "report.md"
     _atomic_write_text(report, render_markdown(results, [p.name for p in pngs]) + "\n")
     return [report, *pngs]
@@ -378,86 +787,133 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def plot_latency_vs_load(points: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
-    """TTFT (mean, p99) and ITL (mean, p99) against load, one line per policy, plus the oracle split."""
+def _errorbar(ax: Any, xs: Sequence[float], its: Sequence[stats.Interval], scale: float, **kw: Any) -> None:
+    ys = [scale * it.mean for it in its]
+    err = [
+        [scale * (it.mean - it.low) if it.n >= 2 else 0.0 for it in its],
+        [scale * (it.high - it.mean) if it.n >= 2 else 0.0 for it in its],
+    ]
+    ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, **kw)
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
-    panels = [
-        ("ttft_mean_s", "TTFT mean (s)"),
-        ("ttft_p99_s", "TTFT p99 (s)"),
-        ("itl_mean_s", "ITL mean (ms)"),
-        ("itl_p99_s", "ITL p99 (ms)"),
-    ]
-    policies = sorted({p["point"]["policy"] for p in points})
-    for ax, (metric, ylabel) in zip(axes.flat, panels, strict=True):
-        scale = TABLE_METRICS[metric][2]
-        for policy in policies:
-            rows = sorted(
-                (p for p in points if p["point"]["policy"] == policy and p.get("metrics")),
-                key=lambda p: p["load_fraction"],
-            )
-            ax.plot(
-                [p["load_fraction"] for p in rows],
-                [scale * p["metrics"][metric] for p in rows],
-                marker="o",
-                label=policy,
-                color="black" if policy == "static" else None,
-            )
-        oracle = sorted(
-            (p for p in points if p["point"]["policy"] == "static" and p.get("oracle_metrics")),
-            key=lambda p: p["load_fraction"],
+    return plt
+
+
+def _policy_lines(
+    ax: Any, grouped: Mapping[tuple[Any, ...], Mapping[str, Any]], metric: str, scale: float
+) -> None:
+    """One error-bar line per policy: ``metric``'s seed mean and interval against the load fraction."""
+    policies = sorted({p for v in grouped.values() for p in v}, key=lambda p: (p != "static", p))
+    for policy in policies:
+        keys = sorted(k for k, v in grouped.items() if policy in v)
+        _errorbar(
+            ax,
+            [k[5] for k in keys],
+            [point_mean(grouped[k][policy], metric) for k in keys],
+            scale,
+            label=policy,
+            color="black" if policy == "static" else None,
         )
-        if oracle:
-            ax.plot(
-                [p["load_fraction"] for p in oracle],
-                [scale * p["oracle_metrics"][metric] for p in oracle],
-                linestyle="--",
-                color="grey",
-                marker="x",
-                label="oracle split",
-            )
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3)
+
+
+def plot_latency_vs_load(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
+    """TTFT (mean, p99) and ITL (mean, p99) against load, one line per policy, 95 % intervals as bars."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    grouped = by_point([r for r in rows if r["regime"] == "latency"])
+    for ax, metric in zip(axes.flat, HEADLINE_LATENCY, strict=True):
+        name, scale, unit = LATENCY_METRICS[metric]
+        _policy_lines(ax, grouped, metric, scale)
+        ax.set_ylabel(f"{name} ({unit})")
     for ax in axes[1]:
         ax.set_xlabel("load (x static saturation)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(f"{title}: latency regime (95 % intervals over seeds)")
     fig.tight_layout()
     path = _save(fig, path)
     plt.close(fig)
     return path
 
 
-def plot_borrowed_timeline(points: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path | None:
-    """Per lending policy at its highest load: borrowed prefill tokens/s per minute against the offered
-    uncached-input : output ratio. None when no point has a timeline with borrowing columns."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows: dict[str, Mapping[str, Any]] = {}
-    for p in points:
-        tl = p.get("timeline") or {}
-        if p["point"]["policy"] == "static" or "borrowed_prefill_tokens" not in tl:
-            continue
-        best = rows.get(p["point"]["policy"])
-        if best is None or p["load_fraction"] > best["load_fraction"]:
-            rows[p["point"]["policy"]] = p
-    if not rows:
+def plot_capacity(
+    rows: Sequence[Mapping[str, Any]], results: Mapping[str, Any], path: Path, title: str
+) -> Path | None:
+    """Left: capacity at SLO per policy (bars with 95 % intervals) and its fluid bound; right: steady
+    input throughput and the share of the fluid bound at the overload points."""
+    caps = capacity_by_key(results)
+    key = (rows[0]["trace"], rows[0]["model"], rows[0]["split"], rows[0]["shape"])
+    grouped = by_point([r for r in rows if r["regime"] == "throughput"])
+    if key not in caps and not grouped:
         return None
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 3.2 * len(rows)), squeeze=False)
-    for ax, (policy, p) in zip(axes[:, 0], sorted(rows.items()), strict=True):
-        tl = p["timeline"]
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    pols = caps.get(key, {})
+    names = sorted(pols, key=lambda p: (p != "static", p))
+    its = [stats.mean_interval(pols[p].values()) for p in names]
+    axes[0].bar(
+        names,
+        [it.mean for it in its],
+        yerr=[
+            [it.mean - it.low if it.n >= 2 else 0 for it in its],
+            [it.high - it.mean if it.n >= 2 else 0 for it in its],
+        ],
+        capsize=4,
+        color=["black" if p == "static" else "tab:blue" for p in names],
+    )
+    limit = capacity_bound_by_key(results).get(key)
+    if limit:
+        axes[0].axhline(
+            stats.mean_interval(limit.values()).mean, color="grey", linestyle="--", label="fluid bound"
+        )
+        axes[0].legend(fontsize=8)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("capacity at SLO (load factor, log)")
+    axes[0].tick_params(axis="x", rotation=20)
+    for ax, metric, label, scale in (
+        (axes[1], "steady_input_tokens_per_s", "steady in tok/s", 1.0),
+        (axes[2], "bound_share", "share of fluid bound (%)", 100.0),
+    ):
+        _policy_lines(ax, grouped, metric, scale)
+        ax.set_xlabel("load (x static saturation)")
+        ax.set_ylabel(label)
+    axes[2].axhline(100.0, color="grey", linestyle="--")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"{title}: capacity regime (95 % intervals over seeds)")
+    fig.tight_layout()
+    path = _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def plot_borrowed_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path | None:
+    """Per lending policy at its highest load (first seed): borrowed prefill tokens/s per minute against
+    the offered uncached-input : output ratio. None when no row has a timeline with borrowing columns."""
+    chosen: dict[str, Mapping[str, Any]] = {}
+    for r in rows:
+        tl = r.get("timeline") or {}
+        if r["policy"] in ("static", "hindsight-split") or "borrowed_prefill_tokens" not in tl:
+            continue
+        best = chosen.get(r["policy"])
+        if best is None or r["load_fraction"] > best["load_fraction"]:
+            chosen[r["policy"]] = r
+    if not chosen:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(10, 3.2 * len(chosen)), squeeze=False)
+    for ax, (policy, r) in zip(axes[:, 0], sorted(chosen.items()), strict=True):
+        tl = r["timeline"]
         borrowed_per_s = [t / 60.0 for t in tl["borrowed_prefill_tokens"]]
         # Each row covers minute [m, m + 1): draw both series as steps starting at m.
         ax.fill_between(tl["minute"], borrowed_per_s, step="post", alpha=0.4, color="tab:orange")
         ax.set_ylabel("borrowed prefill (tok/s)", color="tab:orange")
-        ax.set_title(f"{policy} at load {p['load_fraction']:g} x saturation", fontsize=10)
+        ax.set_title(f"{policy} at load {r['load_fraction']:g} x saturation, seed {r['seed']}", fontsize=10)
         ax2 = ax.twinx()
         ax2.step(tl["minute"], tl["uncached_to_output"], where="post", color="tab:blue", linewidth=0.8)
         ax2.set_ylabel("offered uncached input : output", color="tab:blue")
@@ -470,19 +926,20 @@ def plot_borrowed_timeline(points: Sequence[Mapping[str, Any]], path: Path, titl
     return path
 
 
-def write_plots(points: Sequence[Mapping[str, Any]], out_dir: Path) -> list[Path]:
-    """One latency-vs-load PNG and one borrowed-capacity timeline PNG per (trace, model, shape)."""
-    groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
-    for p in points:
-        pt = p["point"]
-        groups.setdefault((pt["trace"], pt["model"], pt["shape"]), []).append(p)
+def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    """Per (trace, model, split, shape): latency-vs-load, capacity-regime and borrowing-timeline PNGs."""
+    groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = {}
+    for r in _ok(results["points"]):
+        groups.setdefault((r["trace"], r["model"], r["split"], r["shape"]), []).append(r)
     written: list[Path] = []
-    for (trace, model, shape), group in sorted(groups.items()):
-        title = f"{trace} / {model} / {shape}"
-        written.append(
-            plot_latency_vs_load(group, out_dir / f"latency_{_slug(trace, model, shape)}.png", title)
-        )
-        tl = plot_borrowed_timeline(group, out_dir / f"timeline_{_slug(trace, model, shape)}.png", title)
-        if tl is not None:
-            written.append(tl)
+    for (trace, model, split, shape), rows in sorted(groups.items()):
+        title = f"{trace} [{split}] / {model} / {shape}"
+        slug = _slug(trace, model, split, shape)
+        written.append(plot_latency_vs_load(rows, out_dir / f"latency_{slug}.png", title))
+        for made in (
+            plot_capacity(rows, results, out_dir / f"capacity_{slug}.png", title),
+            plot_borrowed_timeline(rows, out_dir / f"timeline_{slug}.png", title),
+        ):
+            if made is not None:
+                written.append(made)
     return written

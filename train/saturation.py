@@ -1,25 +1,29 @@
-"""The static cluster's saturation load: the anchor of ``compare``'s matched load points.
+"""Capacity at SLO (the highest load a policy sustains within SLO) and the fewest GPUs that serve a trace.
 
-Saturation is the highest load factor at which static PD keeps at least ``SATURATION_THRESHOLD`` of
-all requests within SLO (unfinished or rejected requests count as misses), found by doubling/halving
-then log-space bisection to within ``SATURATION_RESOLUTION``.
+Capacity at SLO is the highest load factor at which at least ``SLO_SHARE_TARGET`` of the requests
+meet the per-request SLO (DistServe's goodput rule; unfinished requests count as misses, rejected ones
+leave the denominator). :func:`find_capacity` brackets it by stepping up or down from a start load, then
+bisects in log space until the passing and failing probes are within ``CAPACITY_RESOLUTION`` (2 %).
+The static cluster's capacity is its *saturation*: the anchor of ``compare``'s load points.
+
+The searches take a ``share_at(load)`` (or ``passes(n_prefill, n_decode)``) callable and never simulate
+themselves, so they can be checked on synthetic responses; ``train.compare`` runs them on simulations.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
-from train.experiment import Point, prepare_trace, run_point
-
-SATURATION_THRESHOLD = 0.9
-"""Static saturates where fewer than this share of requests finish within SLO (DistServe's goodput rule)."""
-SATURATION_RESOLUTION = 1.1
-"""Bisection stops when the pass/fail bracket is within this factor."""
+SLO_SHARE_TARGET = 0.9
+"""A load is sustained when at least this share of requests meets the SLO."""
+SATURATION_THRESHOLD = SLO_SHARE_TARGET
+CAPACITY_RESOLUTION = 1.02
+"""Bisection stops when the highest passing and lowest failing probes are within this factor."""
 LOAD_BOUNDS = (2.0**-12, 64.0)
+IDLE_LOAD = LOAD_BOUNDS[0]
+"""Where a cluster's *idle* SLO share is measured (the relative rule below)."""
 
 
 def served_slo_share(metrics: dict[str, Any]) -> float:
@@ -29,20 +33,25 @@ def served_slo_share(metrics: dict[str, Any]) -> float:
     return int(metrics["n_slo_met"]) / eligible if eligible > 0 else 0.0
 
 
-def find_saturation(
+def find_capacity(
     share_at: Callable[[float], float],
     *,
-    threshold: float = SATURATION_THRESHOLD,
+    threshold: float = SLO_SHARE_TARGET,
     start_load: float = 1.0,
-    resolution: float = SATURATION_RESOLUTION,
+    step: float = 2.0,
+    resolution: float = CAPACITY_RESOLUTION,
     bounds: tuple[float, float] = LOAD_BOUNDS,
-) -> tuple[float, bool, list[tuple[float, float]]]:
-    """Highest load with ``share_at(load) >= threshold``, by doubling/halving then log-space bisection.
+) -> tuple[float, float | None, bool, list[tuple[float, float]]]:
+    """Highest load with ``share_at(load) >= threshold``, by stepping (``x step``) then log bisection.
 
-    Returns (load, bracketed, probes). ``bracketed`` is False when the search hit a bound: then the load
-    is the highest passing probe, or the lower bound if no probe passed. Assumes the share falls with
-    load; if it does not, the answer is still a passing load next to a failing one within ``resolution``.
+    Returns ``(load, fail_load, bracketed, probes)``: the highest passing probe, the lowest failing
+    probe above it (None if none), whether the search was bracketed (False when it hit a bound: then
+    ``load`` is the highest passing probe, or the lower bound if none passed) and every probe in order.
+    Assumes the share falls with load; if it does not, the answer is still a passing load next to a
+    failing one within ``resolution``.
     """
+    if not (step > 1 and resolution > 1):
+        raise ValueError(f"need step > 1 and resolution > 1, got {step}, {resolution}")
     probes: list[tuple[float, float]] = []
 
     def passes(load: float) -> bool:
@@ -50,102 +59,153 @@ def find_saturation(
         probes.append((load, share))
         return share >= threshold
 
+    start = min(max(start_load, bounds[0]), bounds[1])
     lo: float | None = None
     hi: float | None = None
-    if passes(start_load):
-        lo = start_load
-        while lo * 2 <= bounds[1]:
-            if not passes(lo * 2):
-                hi = lo * 2
+    if passes(start):
+        lo = start
+        while lo < bounds[1]:
+            nxt = min(lo * step, bounds[1])
+            if not passes(nxt):
+                hi = nxt
                 break
-            lo *= 2
+            lo = nxt
     else:
-        hi = start_load
-        while hi / 2 >= bounds[0]:
-            if passes(hi / 2):
-                lo = hi / 2
+        hi = start
+        while hi > bounds[0]:
+            nxt = max(hi / step, bounds[0])
+            if passes(nxt):
+                lo = nxt
                 break
-            hi /= 2
+            hi = nxt
     if lo is None or hi is None:
-        return (lo if lo is not None else bounds[0]), False, probes
+        return (lo if lo is not None else bounds[0]), hi, False, probes
     while hi / lo > resolution:
         mid = math.sqrt(lo * hi)
         if passes(mid):
             lo = mid
         else:
             hi = mid
-    return lo, True, probes
+    return lo, hi, True, probes
 
 
-def _saturation_job(key: tuple[Any, ...]) -> dict[str, Any]:
-    """Worker: static saturation of one (trace, model, shape, gpu, max_requests, seed[, options]),
-    ``options`` being the ``Point`` precision/parallelism fields as (name, value) pairs."""
-    trace_name, model, shape, gpu, max_requests, seed = key[:6]
-    base = Point(
-        policy="static",
-        trace=trace_name,
-        model=model,
-        gpu=gpu,
-        shape=shape,
-        max_requests=max_requests,
-        seed=seed,
-        **dict(key[6] if len(key) > 6 else ()),
-    )
-    trace = prepare_trace(base)
-
-    def share_at(load: float) -> float:
-        return served_slo_share(
-            run_point(Point(**{**asdict(base), "load": load}), trace=trace).metrics.to_dict()
-        )
-
-    t0 = time.perf_counter()
-    found = saturation_search(share_at)
-    return {
-        "trace": trace_name,
-        "model": model,
-        "shape": shape,
-        "gpu": gpu,
-        "max_requests": max_requests,
-        "seed": seed,
-        **found,
-        "wall_s": time.perf_counter() - t0,
-    }
-
-
-def saturation_search(
-    share_at: Callable[[float], float], *, threshold: float = SATURATION_THRESHOLD
+def capacity_search(
+    share_at: Callable[[float], float],
+    *,
+    threshold: float = SLO_SHARE_TARGET,
+    relative_fallback: bool = True,
+    start_load: float = 1.0,
+    step: float = 2.0,
+    resolution: float = CAPACITY_RESOLUTION,
 ) -> dict[str, Any]:
-    """Static saturation with a fallback for clusters that miss the SLO even when idle.
+    """Capacity at SLO, with a fallback for clusters that miss the SLO even when idle.
 
-    First the absolute rule (``share >= threshold``). If no probed load passes, down to the lower
-    bound, the cluster misses the SLO for reasons load does not cause (e.g. prompts whose prefill alone
-    exceeds the TTFT target); then the rule becomes relative: ``share >= threshold x idle share``
-    (the share at the lowest probed load). ``usable`` is False when even the idle share is zero: no load
-    is matched and the grid skips that (trace, model, shape).
+    With ``relative_fallback`` (the static cluster's search): if the start load fails, the share at
+    ``IDLE_LOAD`` is probed; when even the idle cluster misses ``threshold`` (prompts whose prefill
+    alone exceeds the TTFT target, say), the rule becomes relative: ``share >= threshold x idle share``.
+    Every policy at that point is then held to that same applied ``threshold`` (pass it in, without
+    the fallback). ``usable`` is False when the idle share is zero: no load can be matched.
 
-    Returns ``load``, ``bracketed``, ``threshold`` (the one applied), ``relative``, ``idle_share``
-    (None for the absolute rule), ``usable`` and every ``probes`` (load, share) in probing order.
+    Returns ``load``, ``fail_load``, ``bracketed``, ``threshold`` (the one applied), ``relative``,
+    ``idle_share`` (None unless probed), ``usable`` and every ``probes`` (load, share) in order.
     """
     memo: dict[float, float] = {}
+    order: list[float] = []
 
     def cached(load: float) -> float:
         if load not in memo:
             memo[load] = share_at(load)
+            order.append(load)
         return memo[load]
 
-    load, bracketed, probes = find_saturation(cached, threshold=threshold)
     applied, idle_share = threshold, None
-    if not any(share >= threshold for _, share in probes):
-        idle_share = min(probes)[1]
-        if idle_share > 0:
+    if relative_fallback and cached(min(max(start_load, IDLE_LOAD), LOAD_BOUNDS[1])) < threshold:
+        idle_share = cached(IDLE_LOAD)
+        if idle_share < threshold:
             applied = threshold * idle_share
-            load, bracketed, _ = find_saturation(cached, threshold=applied)
+    usable = idle_share is None or idle_share > 0
+    load, fail, bracketed = IDLE_LOAD, None, False
+    if usable:
+        load, fail, bracketed, _ = find_capacity(
+            cached, threshold=applied, start_load=start_load, step=step, resolution=resolution
+        )
     return {
         "load": load,
+        "fail_load": fail,
         "bracketed": bracketed,
         "threshold": applied,
-        "relative": idle_share is not None,
+        "relative": idle_share is not None and idle_share < threshold,
         "idle_share": idle_share,
-        "usable": idle_share is None or idle_share > 0,
-        "probes": list(memo.items()),
+        "usable": usable,
+        "probes": [(x, memo[x]) for x in order],
     }
+
+
+def fewest_workers(
+    passes: Callable[[int, int], tuple[bool, str]],
+    *,
+    first_prefill_share: float,
+    min_workers: int = 2,
+    max_workers: int = 64,
+) -> dict[str, Any]:
+    """The fewest workers ``n`` (over every split ``xPyD``, ``x + y = n``) for which ``passes`` holds.
+
+    ``passes(x, y)`` returns ``(ok, need)`` where ``need`` is ``"prefill"`` when the failure was mostly
+    TTFT (more prefill workers would help) and ``"decode"`` otherwise. For each ``n`` the split walk
+    starts at ``round(first_prefill_share * n)`` and moves one worker in the direction ``need`` points,
+    until a split passes or the walk would revisit a split or leave ``1..n-1`` (so it assumes one best
+    split per ``n``). ``n`` is searched by doubling steps above ``min_workers`` and then bisection, so it
+    assumes that more workers never hurt. Returns ``workers`` (None when even ``max_workers`` fails),
+    ``shape`` and every ``probes`` ``(shape, ok, need)`` in order.
+    """
+    probes: list[tuple[str, bool, str]] = []
+    found: dict[int, str | None] = {}
+
+    def split_walk(n: int) -> str | None:
+        if n in found:
+            return found[n]
+        x = min(max(round(first_prefill_share * n), 1), n - 1)
+        seen: set[int] = set()
+        result = None
+        while 1 <= x <= n - 1 and x not in seen:
+            seen.add(x)
+            ok, need = passes(x, n - x)
+            probes.append((f"{x}P{n - x}D", ok, need))
+            if ok:
+                result = f"{x}P{n - x}D"
+                break
+            x = x + 1 if need == "prefill" else x - 1
+        found[n] = result
+        return result
+
+    lo = max(min_workers, 2)
+    if lo > max_workers:
+        return {"workers": None, "shape": None, "probes": probes}
+    step = 1
+    hi = lo
+    while split_walk(hi) is None:
+        if hi >= max_workers:
+            return {"workers": None, "shape": None, "probes": probes}
+        lo = hi + 1
+        hi = min(hi + step, max_workers)
+        step *= 2
+    while lo < hi:  # smallest passing n in [lo, hi]; hi passes
+        mid = (lo + hi) // 2
+        if split_walk(mid) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return {"workers": hi, "shape": found[hi], "probes": probes}
+
+
+__all__ = [
+    "CAPACITY_RESOLUTION",
+    "IDLE_LOAD",
+    "LOAD_BOUNDS",
+    "SATURATION_THRESHOLD",
+    "SLO_SHARE_TARGET",
+    "capacity_search",
+    "fewest_workers",
+    "find_capacity",
+    "served_slo_share",
+]
