@@ -30,6 +30,7 @@ from typing import Any
 from envs.cluster_config import parse_shape
 from envs.hardware import Precision
 from envs.request import Trace
+from policies.catalog import policy_names, policy_spec
 from train import report
 from train.experiment import Point, default_tp, prepare_trace, run_point
 from train.jsonio import write_json
@@ -53,7 +54,6 @@ FULL_LOADS = (0.5, 1.0, 1.5, 2.0)
 """``--full``: the paper-style grid (2 models x 2 traces x 4 loads on 2P4D plus the extreme splits)."""
 FULL_SUBSET = {"agent": 100, "mooncake": 4000, "mooncake-synthetic": 4000, "azure-code": 4000}
 
-NEEDS_PREDICTOR = ("heuristic", "rl")
 TIME_CAP_FACTOR, TIME_CAP_SLACK_S = 4.0, 3600.0
 """A lending simulation stops at ``FACTOR x`` the static replay's duration at its point plus ``SLACK``:
 a request that can never be admitted would otherwise keep the control loop ticking forever."""
@@ -118,7 +118,7 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
     try:
         trace = _prepared_trace(point.trace, point.max_requests, point.max_think_s)
         predictor = None
-        if point.policy in NEEDS_PREDICTOR:
+        if policy_spec(point.policy).needs_predictor:
             predictor = task.predictor if task.predictor is not None else _load_predictor(task)
         result = run_point(point, trace=trace, predictor=predictor, max_time_s=task.max_time_s)
     except Exception as exc:  # one broken point must not sink the grid; the report lists it
@@ -168,7 +168,7 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
         else (DATA_DIR / artifact_slug(spec.gpu, model, default_tp(model)))
     )
     if not (folder / "metadata.json").is_file():
-        needing = sorted(set(spec.policies) & set(NEEDS_PREDICTOR))
+        needing = [p for p in spec.policies if policy_spec(p).needs_predictor]
         raise FileNotFoundError(
             f"no interference-model artifact at {folder} (needed by {needing} "
             f"on {model}); pass --interference-model PATH or fit one with `crossflow fit-interference`"
@@ -245,7 +245,7 @@ def build_tasks(
 ) -> tuple[list[dict[str, Any]], list[SimTask]]:
     """Grid rows (point + load fraction + saturation) and the deduplicated simulations they need."""
     artifacts = {}
-    if predictor is None and set(spec.policies) & set(NEEDS_PREDICTOR):
+    if predictor is None and any(policy_spec(p).needs_predictor for p in spec.policies):
         artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
     rows: list[dict[str, Any]] = []
     tasks: dict[Point, SimTask] = {}
@@ -496,12 +496,11 @@ def spec_from_args(args: argparse.Namespace) -> GridSpec:
 def check_names(spec: GridSpec) -> None:
     """Fail before any simulation on an unknown policy, trace or model (naming the flag)."""
     from envs.traces import BUNDLED_TRACES
-    from policies.node_policies import node_policy_names
 
-    known = {"static", *node_policy_names()}
+    known = policy_names()
     for policy in spec.policies:
         if policy not in known:
-            raise ValueError(f"--policies: unknown policy {policy!r}; known: {sorted(known)}")
+            raise ValueError(f"--policies: unknown policy {policy!r}; known: {', '.join(known)}")
     for trace in spec.traces:
         if trace not in BUNDLED_TRACES:
             raise ValueError(f"--traces: unknown bundled trace {trace!r}; known: {sorted(BUNDLED_TRACES)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,28 +154,28 @@ def rate_curve(point: Point) -> tuple[Any, Any] | None:
     return load_servegen_curve(model, days=1, start_day=int(day) if day else 0)
 
 
-def build_scheduler(policy: str, config: ClusterConfig, cost_model: CostModel, **policy_kwargs: Any) -> Any:
-    """The cluster scheduler for ``policy`` (None for ``static``: every request takes the normal path)."""
-    if policy == "static":
-        return None
-    from policies.ledger import LeaseLedger
-    from policies.node_policies import make_node_policy
-    from policies.scheduler import ClusterScheduler
+def build_scheduler(
+    policy: str,
+    config: ClusterConfig,
+    cost_model: CostModel,
+    *,
+    predictor: Any = None,
+    params: Mapping[str, Any] | None = None,
+) -> Any:
+    """The cluster scheduler for catalog policy ``policy`` (``policies.catalog``; None for a passive one
+    such as ``static``: every request takes the normal path). ``params``: dotted policy parameters
+    (None: the shipped tuned values). The shipped interference model is loaded only for a policy that
+    declares it needs one, and only when ``predictor`` is not given."""
+    from policies.catalog import make_scheduler, policy_spec
+    from policies.context import PolicyContext
 
-    kwargs = dict(policy_kwargs)
-    if policy in ("heuristic", "rl") and "predictor" not in kwargs:
+    needs = policy_spec(policy).needs_predictor
+    if needs and predictor is None:
         from interference_model.artifact import default_predictor
 
-        kwargs["predictor"] = default_predictor(config.gpu, config.model, config.tp)
-    if policy in ("heuristic", "utilisation"):
-        kwargs.setdefault("itl_target_s", config.slo_tpot_s)
-    node_policy = make_node_policy(policy, **kwargs)
-    return ClusterScheduler(
-        node_policy,
-        LeaseLedger(),
-        ClusterEstimator(config, cost_model),
-        control_interval_s=config.control_interval_s,
-    )
+        predictor = default_predictor(config.gpu, config.model, config.tp)
+    ctx = PolicyContext(ClusterEstimator(config, cost_model), config, predictor if needs else None)
+    return make_scheduler(policy, ctx, params)
 
 
 def run_point(
@@ -184,17 +185,18 @@ def run_point(
     trace: Trace | None = None,
     predictor: Any = None,
     max_time_s: float = math.inf,
+    params: Mapping[str, Any] | None = None,
 ) -> SimResult:
-    """Simulate one point (deterministic in ``point``).
+    """Simulate one point (deterministic in ``point`` and ``params``).
 
     ``trace`` skips re-loading a prepared trace; ``predictor`` replaces the shipped interference model
-    for the policies that need one; ``max_time_s`` caps simulated time (unfinished requests stay so).
+    for the policies that need one; ``max_time_s`` caps simulated time (unfinished requests stay so);
+    ``params`` replaces the policy's shipped tuned values (``build_scheduler``).
     """
     trace = trace if trace is not None else prepare_trace(point)
     config = point.cluster()
     cost_model = point.cost_model()
-    kwargs = {"predictor": predictor} if predictor is not None and point.policy in ("heuristic", "rl") else {}
-    scheduler = build_scheduler(point.policy, config, cost_model, **kwargs)
+    scheduler = build_scheduler(point.policy, config, cost_model, predictor=predictor, params=params)
     return simulate(
         trace,
         config,
