@@ -7,6 +7,7 @@ KV-transfer bandwidth and latency, so the scheduler and the simulator never disa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from envs.cluster_config import ClusterConfig
@@ -17,6 +18,10 @@ class _Timing(Protocol):
 
     def kv_transfer_time_s(
         self, tokens: int, bandwidth_bytes_per_s: float | None = None, latency_s: float = ...
+    ) -> float: ...
+
+    def iteration_time_s(
+        self, prefill: Sequence[tuple[int, int]] = (), decode_batch: int = 0, decode_context_tokens: int = 0
     ) -> float: ...
 
 
@@ -43,6 +48,12 @@ class ClusterEstimator:
             bandwidth_bytes_per_s=self.config.kv_transfer_bandwidth_bytes_per_s,
             latency_s=self.config.kv_transfer_latency_s,
         )
+
+    def mixed_step_time_s(self, prefill_tokens: int, decode_batch: int, decode_context_tokens: int) -> float:
+        """One decode iteration of ``decode_batch`` requests (``decode_context_tokens`` of KV in all)
+        with a ``prefill_tokens`` chunk of a fresh prompt mixed in, as the simulator times it."""
+        chunks = [(prefill_tokens, 0)] if prefill_tokens > 0 else []
+        return self.cost_model.iteration_time_s(chunks, decode_batch, decode_context_tokens)
 
 
 __all__ = ["ClusterEstimator"]
