@@ -131,8 +131,13 @@ class ClusterScheduler:
         ``state`` already reflects still holds (committed reservations, and un-started ones that have
         arrived at the node), so that work is neither counted twice nor revoked for lack of room.
         Reservations still in flight to the node are carried over only if they fit the headroom.
+        A path policy that never borrows (``uses_leases`` False) gets no leases published at all:
+        nothing could spend them. Either way the path policy then observes ``states``.
         """
         with self._lock:
+            if not self.path.uses_leases:
+                self.path.observe(now_s, states)
+                return []
             revoked = self.ledger.expire(now_s)
             self._update_itl_guard(states)
             for state in sorted(states, key=lambda s: s.node_id):

@@ -155,37 +155,35 @@ def state(node_id: int, batch: int, **kw: Any) -> NodeState:
 
 def test_deflect_sizes_the_largest_chunk_within_the_itl_slo_by_hand() -> None:
     d = Deflect(COST, CFG, itl_slack=1.0, max_chunk_tokens=8192)
-    # step(c) = 0.01 + 1e-5 c + 1e-4 x batch: batch 10 -> c <= (0.05 - 0.011) / 1e-5 = 3900
+    # step(c) = 0.01 + 1e-5 c + 1e-4 x batch: batch 10 -> c <= (0.05 - 0.011) / 1e-5 = 3900, in 64s: 3840
     chunk, step_s = d.largest_chunk(state(0, 10))
-    assert chunk == 3900 and step_s == pytest.approx(0.05)
+    assert chunk == 3840 and step_s == pytest.approx(0.011 + 0.0384)
     assert d.largest_chunk(state(0, 0)) == (8192, pytest.approx(0.01 + 0.08192))  # idle: the cap
     assert d.largest_chunk(state(0, 400))[0] == 0  # 0.05 s of decode alone: no room for any chunk
     half = Deflect(COST, CFG, itl_slack=0.5)
-    assert half.largest_chunk(state(0, 10))[0] == 1400  # (0.025 - 0.011) / 1e-5
+    assert half.largest_chunk(state(0, 10))[0] == 1344  # (0.025 - 0.011) / 1e-5 = 1400 -> 1344
 
 
 def test_deflect_sends_to_the_fastest_node_when_it_beats_the_prefill_path() -> None:
     d = Deflect(COST, CFG, itl_slack=1.0, max_chunk_tokens=8192)
     d.observe(0.0, [state(0, 10), state(1, 30, local_prefill_tokens_queued=2000)])
-    # batch 30: c <= (0.05 - 0.013) / 1e-5 = 3700 (3699 after float rounding)
-    assert d.local_chunk_tokens(0) == 3900 and abs(d.local_chunk_tokens(1) - 3700) <= 1
-    q = query(3900, wait_s=2.0)
-    # node 0: 3900 tokens in one 0.05 s iteration; node 1: (2000 + 3900) / 3700 x 0.05 s
+    step0, step1 = 0.011 + 0.0384, 0.013 + 0.03648  # batch 30: c <= 3700 -> 3648
+    assert (d.local_chunk_tokens(0), d.local_chunk_tokens(1)) == (3840, 3648)
+    q = query(3840, wait_s=2.0)
+    # node 0: 3840 tokens in one iteration; node 1: (2000 + 3840) / 3648 iterations
     dec = decide(d, q)
     assert dec.path == "local" and dec.node_id == 0 and dec.code == PathReason.LOCAL_FASTER
-    assert dec.est_borrow_s == pytest.approx(0.05) and dec.est_normal_s == pytest.approx(
-        normal_path_estimate_s(COST, q)
-    )
-    # its own dispatch now queues on node 0 (0.1 s for the next), so the same request goes to node 1
+    assert dec.est_borrow_s == pytest.approx(step0)
+    assert dec.est_normal_s == pytest.approx(normal_path_estimate_s(COST, q))
+    # its own dispatch now queues on node 0 (2 iterations for the next), so the same request goes to node 1
     again = decide(d, q)
-    assert again.node_id == 1
-    assert again.est_borrow_s == pytest.approx((2000 + 3900) / 3700 * 0.05, rel=1e-3)
-    # with no queue on the prefill path (0.01 + 0.039 + 0.005 s), local (0.1 s at best now) loses
-    late = decide(d, query(3900, wait_s=0.0))
+    assert again.node_id == 1 and again.est_borrow_s == pytest.approx((2000 + 3840) / 3648 * step1)
+    # with no queue on the prefill path (0.0484 + 0.005 s), the best local (node 0, 2 iterations) loses
+    late = decide(d, query(3840, wait_s=0.0))
     assert late.path == "normal" and late.code == PathReason.LOCAL_NOT_FASTER
-    assert late.est_borrow_s == pytest.approx(0.1)
-    assert d.reconsider(query(3900, wait_s=0.0), 0.0) is None
-    assert d.reconsider(query(3900, wait_s=5.0), 0.0) is not None
+    assert late.est_borrow_s == pytest.approx(2 * step0)
+    assert d.reconsider(query(3840, wait_s=0.0), 0.0) is None
+    assert d.reconsider(query(3840, wait_s=5.0), 0.0) is not None
 
 
 def test_deflect_skips_nodes_that_cannot_hold_the_request_and_waits_for_state() -> None:
@@ -195,8 +193,8 @@ def test_deflect_skips_nodes_that_cannot_hold_the_request_and_waits_for_state() 
     # node 0 lacks KV for 1000 + 100 tokens; node 1 has no room in its iterations
     dec = decide(d, query(1000, wait_s=9.0, kv_load=None))
     assert dec.path == "normal" and "no decode node" in dec.reason
-    q = query(3900, wait_s=0.05)  # local 0.05 s vs normal 0.05 + 0.049 + 0.005 s: faster by 52 %
-    assert normal_path_estimate_s(COST, q) == pytest.approx(0.104)
+    q = query(3840, wait_s=0.05)  # local 0.0494 s vs normal 0.05 + 0.0484 + 0.005 s: faster by 52 %
+    assert normal_path_estimate_s(COST, q) == pytest.approx(0.1034)
     for margin, path in ((0.5, "local"), (0.6, "normal")):
         d = Deflect(COST, CFG, margin=margin)
         d.observe(0.0, [state(0, 10)])

@@ -86,6 +86,9 @@ class Point:
     """Expert-parallel degree per worker (MoE models)."""
     dp_attention: int = 1
     """Data-parallel attention replicas per worker (MoE models)."""
+    decode_prefix_cache: bool = False
+    """Decode workers keep a radix prefix cache (``ClusterConfig.decode_prefix_cache``; SGLang's
+    ``--disaggregation-decode-enable-radix-cache``), for every policy of the point."""
 
     @property
     def resolved_tp(self) -> int:
@@ -97,6 +100,7 @@ class Point:
             gpu=self.gpu,
             model=self.model,
             tp=self.resolved_tp,
+            decode_prefix_cache=self.decode_prefix_cache,
         )
 
     def label(self) -> str:
@@ -106,7 +110,8 @@ class Point:
         )
 
     def deployment_suffix(self) -> str:
-        """``|dtype=fp8|ep=8`` for the precision/parallelism fields that differ from their defaults."""
+        """``|dtype=fp8|ep=8`` for the precision/parallelism fields that differ from their defaults
+        (and ``|decode_cache`` when decode workers keep a prefix cache)."""
         return "".join(
             f"|{k}={v}"
             for k, v in (
@@ -116,7 +121,7 @@ class Point:
                 ("dp", self.dp_attention),
             )
             if v not in (None, 1)
-        )
+        ) + ("|decode_cache" if self.decode_prefix_cache else "")
 
     def cost_model(self) -> CostModel:
         """The cost model of one worker of this point (model, precision, parallelism)."""

@@ -9,13 +9,13 @@ batch (no KV transfer). No code was published with it that we know of; this is o
 rule, not the authors' implementation.
 
 Rule here, per decode node each control interval (from its ``NodeState``): the largest chunk ``c``
-(at most ``max_chunk_tokens``) whose mixed iteration with the node's running batch takes at most
-``itl_slack x`` the TPOT SLO (the cost estimator's ``mixed_step_time_s``); the node then prefills
-local work at ``c`` tokens per such iteration. A request's local TTFT on that node is its uncached
-tokens plus the node's queued local prefill (as last reported, plus what this policy sent there
-since), at that rate. It is deflected to the fastest node iff that beats the normal path's estimate
-(queue wait + prefill + KV transfer) by ``margin``, and the node's KV can hold it. Requests still
-waiting on a prefill worker are re-evaluated every control interval. No lease, no learned model.
+(at most ``max_chunk_tokens``, in steps of 64 tokens) whose mixed iteration with the node's running
+batch takes at most ``itl_slack x`` the TPOT SLO (the cost estimator's ``mixed_step_time_s``); the
+node then prefills local work at ``c`` tokens per such iteration. A request's local TTFT on that node
+is its uncached tokens plus the node's queued local prefill (as last reported, plus what this policy
+sent there since), at that rate. It is deflected to the fastest node iff that beats the normal path's
+estimate (queue wait + prefill + KV transfer) by ``margin``, and the node's KV can hold it. Requests
+still waiting on a prefill worker are re-evaluated every control interval. No lease, no learned model.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from policies.path import (
 )
 
 SOURCE = "arXiv:2607.02043 (reconstructed from the abstract; no public code)"
+CHUNK_GRANULARITY_TOKENS = 64
+"""Chunks are sized in steps of this many tokens (the bisection's resolution)."""
 
 
 class Deflect(PathPolicy):
@@ -82,15 +84,16 @@ class Deflect(PathPolicy):
 
         if batch == 0:
             return self.max_chunk_tokens, step(self.max_chunk_tokens)
-        if step(1) > self.step_target_s:
+        if step(CHUNK_GRANULARITY_TOKENS) > self.step_target_s:
             return 0, 0.0
-        lo, hi = 1, self.max_chunk_tokens  # step(lo) within target; find the largest such chunk
-        if step(hi) <= self.step_target_s:
-            return hi, step(hi)
+        if step(self.max_chunk_tokens) <= self.step_target_s:
+            return self.max_chunk_tokens, step(self.max_chunk_tokens)
+        # bisect in units of CHUNK_GRANULARITY_TOKENS: step(lo units) is within the target, hi's is not
+        lo, hi = 1, -(-self.max_chunk_tokens // CHUNK_GRANULARITY_TOKENS)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if step(mid) <= self.step_target_s else (lo, mid)
-        return lo, step(lo)
+            lo, hi = (mid, hi) if step(mid * CHUNK_GRANULARITY_TOKENS) <= self.step_target_s else (lo, mid)
+        return lo * CHUNK_GRANULARITY_TOKENS, step(lo * CHUNK_GRANULARITY_TOKENS)
 
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         super().observe(now_s, states)
