@@ -128,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
     from train import compare as compare_cmd
-    from train import interference_cli, replay_cli
+    from train import interference_cli, replay_cli, tune
 
     compare_cmd.add_parser(sub)
+    tune.add_parser(sub)
     interference_cli.add_profile_parser(sub)
     interference_cli.add_fit_parser(sub)
     interference_cli.add_eval_parser(sub)
