@@ -30,7 +30,7 @@ from typing import Any
 from envs.cluster_config import parse_shape
 from envs.hardware import Precision
 from envs.request import Trace
-from policies.catalog import policy_names, policy_spec
+from policies.catalog import describe_params, policy_names, policy_spec
 from train import report
 from train.experiment import Point, default_tp, prepare_trace, run_point
 from train.jsonio import write_json
@@ -80,9 +80,15 @@ class GridSpec:
     ep: int = 1
     dp_attention: int = 1
     """Precision and parallelism of every model's workers (``train.model_args``)."""
+    decode_prefix_cache: bool = False
+    """Decode workers keep a radix prefix cache, for every policy (``Point.decode_prefix_cache``)."""
 
     def model_options(self) -> dict[str, Any]:
         return model_options(self)
+
+    def point_options(self) -> dict[str, Any]:
+        """The ``Point`` fields every simulation of the grid shares beyond trace, model and shape."""
+        return {**model_options(self), "decode_prefix_cache": self.decode_prefix_cache}
 
     def subset(self, trace: str) -> int | None:
         if self.max_requests is not None:
@@ -215,14 +221,14 @@ def saturation_loads(spec: GridSpec, out_dir: Path, jobs: int, progress: bool) -
             raise ValueError(
                 f"{cache_path}: corrupt saturation cache ({exc}); delete it to recompute"
             ) from exc
-    options = tuple(spec.model_options().items())
+    options = tuple(spec.point_options().items())
     keys = [
         (t, m, s, spec.gpu, spec.subset(t), spec.seed, options)
         for t in spec.traces
         for m in spec.models
         for s in spec.shapes
     ]
-    suffix = Point(**spec.model_options()).deployment_suffix()
+    suffix = Point(**spec.point_options()).deployment_suffix()
     name = {k: f"{'|'.join(map(str, k[:6]))}{suffix}|thr={SATURATION_THRESHOLD}|rule=v2" for k in keys}
     todo = [k for k in keys if name[k] not in cache]
     for res in _map(_saturation_job, todo, jobs, "saturation search", progress):
@@ -261,13 +267,15 @@ def build_tasks(
                 "load": load,
                 "max_requests": sat["max_requests"],
                 "seed": spec.seed,
-                **spec.model_options(),
+                **spec.point_options(),
             }
             for policy in spec.policies:
                 pt = Point(policy=policy, shape=sat["shape"], **common)
                 rows.append({"point": pt, "load_fraction": frac, "saturation_load": sat["load"]})
-                tasks[pt] = SimTask(pt, True, artifacts.get(pt.model), predictor)
-            for shape in oracle_shapes(sat["shape"]) if spec.oracle else []:
+                if not policy_spec(policy).grid_level:  # hindsight-split is built from the splits' runs
+                    tasks[pt] = SimTask(pt, True, artifacts.get(pt.model), predictor)
+            hindsight = any(policy_spec(p).grid_level for p in spec.policies)
+            for shape in oracle_shapes(sat["shape"]) if spec.oracle or hindsight else []:
                 pt = Point(policy="static", shape=shape, **common)
                 tasks.setdefault(pt, SimTask(pt, False))
     # Lending policies are the slow simulations: start them first so the pool ends evenly.
@@ -319,6 +327,7 @@ def run_compare(
         "oracle_candidates": sorted(candidates, key=lambda c: c["label"]),
         "failed_oracle": [c for c in candidates if c.get("error")],
     }
+    results["policy_params"] = describe_params([p for p in spec.policies if not policy_spec(p).passive])
     results["summary"] = report.summarise(points)
     results["targets"] = report.evaluate_targets(points)
     if use_wandb:
@@ -336,9 +345,30 @@ def _time_cap(point: Point, sims: dict[str, dict[str, Any]]) -> float:
     return TIME_CAP_FACTOR * float(static["metrics"]["duration_s"]) + TIME_CAP_SLACK_S
 
 
+def _hindsight_row(pt: Point, sims: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``hindsight-split`` at ``pt``: the static run on the split the oracle keeps among every split of
+    the same GPUs (``report.choose_oracle``), relabelled; its ``hindsight_shape`` says which."""
+    static = sims.get(replace(pt, policy="static").label())
+    cands = {}
+    for shape in oracle_shapes(pt.shape):
+        c = sims.get(replace(pt, policy="static", shape=shape).label())
+        if c and c.get("metrics"):
+            cands[shape] = c
+    if not static or not static.get("metrics"):
+        return {
+            "label": pt.label(),
+            "point": pt.to_dict(),
+            "metrics": None,
+            "error": "no static run to compare",
+        }
+    best = report.choose_oracle(static["metrics"], {k: v["metrics"] for k, v in cands.items()}, pt.shape)
+    chosen = cands.get(best, static)
+    return {**chosen, "label": pt.label(), "point": pt.to_dict(), "hindsight_shape": best}
+
+
 def _grid_row(spec: GridSpec, row: dict[str, Any], sims: dict[str, dict[str, Any]]) -> dict[str, Any]:
     pt: Point = row["point"]
-    res = dict(sims[pt.label()])
+    res = dict(_hindsight_row(pt, sims) if policy_spec(pt.policy).grid_level else sims[pt.label()])
     res.update(load_fraction=row["load_fraction"], saturation_load=row["saturation_load"])
     res.update(oracle_shape=None, oracle_metrics=None, oracle_share=None)
     static = sims.get(Point(**{**asdict(pt), "policy": "static"}).label())
@@ -459,6 +489,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-oracle", action="store_true", help="skip the best-static-split oracle")
     p.add_argument(
+        "--decode-prefix-cache",
+        action="store_true",
+        help="decode workers keep a radix prefix cache, for every policy (as the shipped tuning did)",
+    )
+    p.add_argument(
         "--interference-model",
         default=None,
         metavar="DIR",
@@ -488,6 +523,7 @@ def spec_from_args(args: argparse.Namespace) -> GridSpec:
         seed=args.seed,
         full=full,
         oracle=not args.no_oracle,
+        decode_prefix_cache=bool(args.decode_prefix_cache),
         interference_model=args.interference_model,
         **model_options(args),
     )

@@ -1,0 +1,71 @@
+"""The peers inside ``crossflow compare`` and ``crossflow tune``: tiny grids, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from train import tune
+from train.cli import main
+from train.compare import GridSpec, check_names, run_compare
+
+
+def test_compare_runs_peers_and_builds_hindsight_split_from_the_splits(tmp_path: Path) -> None:
+    spec = GridSpec(
+        policies=("static", "dynamo-load", "deflect", "hindsight-split"),
+        traces=("mooncake",),
+        max_requests=60,
+        load_fractions=(2.0,),
+        oracle=False,  # hindsight-split still needs every split's static run
+        decode_prefix_cache=True,
+    )
+    results = run_compare(spec, tmp_path, jobs=1)
+    rows = {p["point"]["policy"]: p for p in results["points"]}
+    assert set(rows) == set(spec.policies)
+    assert all(r["error"] is None and r["point"]["decode_prefix_cache"] for r in rows.values())
+    assert rows["deflect"]["metrics"]["local_share"] > 0  # at twice static's saturation it deflects
+    hind = rows["hindsight-split"]
+    splits = {c["point"]["shape"]: c for c in results["oracle_candidates"]} | {"2P4D": rows["static"]}
+    assert set(splits) == {"1P5D", "2P4D", "3P3D", "4P2D", "5P1D"}
+    split = splits[hind["hindsight_shape"]]
+    assert hind["metrics"] == split["metrics"]  # the chosen split's static run, relabelled
+    assert set(results["policy_params"]) == {"dynamo-load", "deflect", "hindsight-split"}
+
+
+def test_compare_rejects_unknown_policies_by_flag() -> None:
+    with pytest.raises(ValueError, match=r"--policies: unknown policy 'dynamo'.*dynamo-isl"):
+        check_names(GridSpec(policies=("static", "dynamo")))
+
+
+def test_tune_end_to_end_on_a_small_development_slice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(tune.DEV_SLICES, "mooncake", (8000, 8060))
+    tune._dev_trace.cache_clear()
+    tune._static_duration_s.cache_clear()
+    out = tmp_path / "tuned.json"
+    argv = ["tune", "--policies", "llmd-prefix,hindsight-split", "--traces", "mooncake", "--jobs", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "crossflow-tuned-policies/1" and doc["command"].startswith("crossflow tune")
+    static = doc["static"]["mooncake"]["load"]
+    llmd = doc["policies"]["llmd-prefix"]
+    assert len(llmd["grid"]) == 8 and llmd["params"] in [row["params"] for row in llmd["grid"]]
+    assert llmd["score"] == max(row["score"] for row in llmd["grid"])
+    assert llmd["score"] == pytest.approx(llmd["capacity"]["mooncake"] / static)
+    hind = doc["policies"]["hindsight-split"]
+    assert len(hind["splits"]) == 5
+    assert hind["capacity"]["mooncake"] == max(s["capacity"] for s in hind["splits"])
+    from policies.catalog import load_tuned
+
+    assert load_tuned(out)["policies"]["llmd-prefix"]["params"] == llmd["params"]  # what compare reads
+    tune._dev_trace.cache_clear()
+    tune._static_duration_s.cache_clear()
+
+
+def test_tune_rejects_bad_arguments_by_flag() -> None:
+    assert main(["tune", "--policies", "static"]) == 2  # no grid to tune
+    assert main(["tune", "--policies", "nope"]) == 2
+    assert main(["tune", "--traces", "azure-code"]) == 2  # no development slice
