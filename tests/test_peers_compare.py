@@ -43,7 +43,7 @@ def test_tune_end_to_end_on_a_small_development_slice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(tune.DEV_SLICES, "mooncake", (8000, 8060))
-    tune._dev_trace.cache_clear()
+    tune._trace.cache_clear()
     tune._static_duration_s.cache_clear()
     out = tmp_path / "tuned.json"
     argv = ["tune", "--policies", "llmd-prefix,hindsight-split", "--traces", "mooncake", "--jobs", "1"]
@@ -61,7 +61,7 @@ def test_tune_end_to_end_on_a_small_development_slice(
     from policies.catalog import load_tuned
 
     assert load_tuned(out)["policies"]["llmd-prefix"]["params"] == llmd["params"]  # what compare reads
-    tune._dev_trace.cache_clear()
+    tune._trace.cache_clear()
     tune._static_duration_s.cache_clear()
 
 
@@ -69,3 +69,23 @@ def test_tune_rejects_bad_arguments_by_flag() -> None:
     assert main(["tune", "--policies", "static"]) == 2  # no grid to tune
     assert main(["tune", "--policies", "nope"]) == 2
     assert main(["tune", "--traces", "azure-code"]) == 2  # no development slice
+
+
+def test_tune_evaluate_measures_the_shipped_values_on_the_evaluation_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from policies.catalog import tuned_params
+
+    monkeypatch.setitem(tune.DEFAULT_SUBSET, "mooncake", 60)
+    tune._trace.cache_clear()
+    tune._static_duration_s.cache_clear()
+    out = tmp_path / "capacity.json"
+    argv = ["tune", "--evaluate", "--policies", "dynamo-load", "--traces", "mooncake", "--jobs", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "crossflow-capacity/1" and doc["spec"]["side"] == "evaluation"
+    assert doc["traces"]["mooncake"].startswith("mooncake")
+    row = doc["policies"]["dynamo-load"]
+    assert [g["params"] for g in row["grid"]] == [tuned_params("dynamo-load")]
+    tune._trace.cache_clear()
+    tune._static_duration_s.cache_clear()

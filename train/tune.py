@@ -33,15 +33,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from envs.arrivals import subset
 from envs.cluster_config import parse_shape
 from envs.request import Trace
 from envs.traces import load_trace
-from policies.catalog import TUNED_FILE, TUNED_FORMAT, policy_names, policy_spec
-from train.compare import oracle_shapes
-from train.experiment import MAX_THINK_S, Point, cap_think_time, run_point
+from policies.catalog import TUNED_FILE, TUNED_FORMAT, policy_names, policy_spec, tuned_params
+from train.compare import DEFAULT_SUBSET, oracle_shapes
+from train.experiment import MAX_THINK_S, Point, cap_think_time, prepare_trace, run_point
 from train.jsonio import write_json
 from train.saturation import find_saturation, saturation_search, served_slo_share
 
@@ -50,6 +50,8 @@ DEV_SLICES: dict[str, tuple[int, int]] = {"agent": (300, 360), "mooncake": (8000
 ``compare`` evaluates on the first 60 / 100 agent sessions and the first 2,000 / 4,000 requests
 (``DEFAULT_SUBSET`` / ``FULL_SUBSET``), so these slices never overlap them."""
 DEFAULT_TRACES = ("agent", "mooncake")
+CAPACITY_FORMAT = "crossflow-capacity/1"
+"""``--evaluate`` output: capacities of the shipped tuned values on the evaluation side (not a tuned file)."""
 TIME_CAP_FACTOR, TIME_CAP_SLACK_S = 4.0, 3600.0
 """A lending simulation stops at ``FACTOR x`` static's duration at the same load plus ``SLACK`` (as in
 ``compare``): a request that can never be admitted would otherwise keep the control loop ticking."""
@@ -78,10 +80,19 @@ def development_trace(name: str) -> Trace:
     )
 
 
+def evaluation_trace(name: str) -> Trace:
+    """The side ``compare`` evaluates on by default: the first ``DEFAULT_SUBSET[name]`` sessions or
+    requests of bundled trace ``name`` (``--evaluate`` measures the tuned values there)."""
+    return prepare_trace(Point(trace=name, max_requests=DEFAULT_SUBSET.get(name, 2000)))
+
+
+Side = Literal["development", "evaluation"]
+
+
 @functools.lru_cache(maxsize=4)
-def _dev_trace(name: str) -> Trace:
+def _trace(name: str, side: Side) -> Trace:
     # Worker processes search many grid points of one trace; the trace is read-only.
-    return development_trace(name)
+    return development_trace(name) if side == "development" else evaluation_trace(name)
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,8 @@ class TuneSpec:
     shape: str = "2P4D"
     seed: int = 0
     decode_prefix_cache: bool = False
+    side: Side = "development"
+    """``development``: search every grid; ``evaluation``: measure the shipped tuned values only."""
 
     def point(self, policy: str, trace: str, shape: str | None = None) -> Point:
         return Point(
@@ -117,20 +130,21 @@ class CapacityJob:
     threshold: float
     start_load: float
     grid_index: int = 0
+    side: Side = "development"
 
 
 @functools.lru_cache(maxsize=256)
-def _static_duration_s(point: Point) -> float:
-    result = run_point(replace(point, policy="static"), trace=_dev_trace(point.trace))
+def _static_duration_s(point: Point, side: Side) -> float:
+    result = run_point(replace(point, policy="static"), trace=_trace(point.trace, side))
     return float(result.metrics.duration_s)
 
 
-def _share_at(point: Point, params: Mapping[str, Any], load: float) -> float:
+def _share_at(point: Point, params: Mapping[str, Any], load: float, side: Side) -> float:
     at = replace(point, load=load)
     cap_s = math.inf
     if point.policy != "static":
-        cap_s = TIME_CAP_FACTOR * _static_duration_s(at) + TIME_CAP_SLACK_S
-    result = run_point(at, trace=_dev_trace(point.trace), params=params, max_time_s=cap_s)
+        cap_s = TIME_CAP_FACTOR * _static_duration_s(at, side) + TIME_CAP_SLACK_S
+    result = run_point(at, trace=_trace(point.trace, side), params=params, max_time_s=cap_s)
     return served_slo_share(result.metrics.to_dict())
 
 
@@ -139,7 +153,9 @@ def capacity_job(job: CapacityJob) -> dict[str, Any]:
     t0 = time.perf_counter()
     params = dict(job.params)
     load, bracketed, probes = find_saturation(
-        lambda load: _share_at(job.point, params, load), threshold=job.threshold, start_load=job.start_load
+        lambda load: _share_at(job.point, params, load, job.side),
+        threshold=job.threshold,
+        start_load=job.start_load,
     )
     return {
         "policy": job.point.policy,
@@ -154,10 +170,11 @@ def capacity_job(job: CapacityJob) -> dict[str, Any]:
     }
 
 
-def static_job(point: Point) -> dict[str, Any]:
-    """Worker: static's saturation search on ``point``'s development trace (sets the SLO threshold)."""
+def static_job(task: tuple[Point, Side]) -> dict[str, Any]:
+    """Worker: static's saturation search on ``point``'s trace (sets the SLO threshold)."""
+    point, side = task
     t0 = time.perf_counter()
-    found = saturation_search(lambda load: _share_at(point, {}, load))
+    found = saturation_search(lambda load: _share_at(point, {}, load, side))
     return {"trace": point.trace, "shape": point.shape, **found, "wall_s": time.perf_counter() - t0}
 
 
@@ -181,18 +198,24 @@ def _geo_mean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values and min(values) > 0 else 0.0
 
 
+def _grid(spec: TuneSpec, name: str) -> list[dict[str, Any]]:
+    """The parameter sets to measure: the whole grid on the development side, the shipped tuned
+    values on the evaluation side."""
+    return policy_spec(name).grid_points() if spec.side == "development" else [tuned_params(name)]
+
+
 def run_tune(spec: TuneSpec, *, jobs: int = 1, command: str = "") -> dict[str, Any]:
-    """Tune every policy of ``spec`` (see the module docstring); returns the tuned-values document."""
+    """Tune every policy of ``spec`` (see the module docstring); returns the tuned-values document
+    (with ``side="evaluation"``: the capacities of the shipped tuned values, format ``CAPACITY_FORMAT``)."""
     t0 = time.perf_counter()
+    side = spec.side
     statics = {
         r["trace"]: r
-        for r in _pool_map(static_job, [spec.point("static", t) for t in spec.traces], jobs, "static")
+        for r in _pool_map(static_job, [(spec.point("static", t), side) for t in spec.traces], jobs, "static")
     }
-    for trace, found in statics.items():
-        if not found["usable"]:
-            raise ValueError(
-                f"static never meets the SLO on development trace {trace!r}: nothing to tune against"
-            )
+    for trace, static in statics.items():
+        if not static["usable"]:
+            raise ValueError(f"static never meets the SLO on {side} trace {trace!r}: nothing to compare with")
     todo: list[CapacityJob] = []
     for name in spec.policies:
         ps = policy_spec(name)
@@ -200,16 +223,15 @@ def run_tune(spec: TuneSpec, *, jobs: int = 1, command: str = "") -> dict[str, A
             sat = statics[trace]
             if ps.grid_level:
                 todo += [
-                    CapacityJob(spec.point("static", trace, shape), (), sat["threshold"], sat["load"], i)
+                    CapacityJob(
+                        spec.point("static", trace, shape), (), sat["threshold"], sat["load"], i, side
+                    )
                     for i, shape in enumerate(oracle_shapes(spec.shape))
                 ]
                 continue
-            for i, params in enumerate(ps.grid_points()):
-                todo.append(
-                    CapacityJob(
-                        spec.point(name, trace), tuple(params.items()), sat["threshold"], sat["load"], i
-                    )
-                )
+            for i, params in enumerate(_grid(spec, name)):
+                point = spec.point(name, trace)
+                todo.append(CapacityJob(point, tuple(params.items()), sat["threshold"], sat["load"], i, side))
     # the slow simulations (agent, lending policies) first, so the pool ends evenly
     todo.sort(key=lambda j: (j.point.trace != "agent", j.point.policy == "static"))
     found: list[dict[str, Any]] = list(_pool_map(capacity_job, todo, jobs, "capacity at SLO"))
@@ -235,7 +257,7 @@ def run_tune(spec: TuneSpec, *, jobs: int = 1, command: str = "") -> dict[str, A
                 ),
             }
             continue
-        for i, params in enumerate(ps.grid_points()):
+        for i, params in enumerate(_grid(spec, name)):
             per_trace = {r["trace"]: r for r in mine if r["grid_index"] == i}
             capacity = {t: per_trace[t]["capacity"] for t in spec.traces}
             rows.append(
@@ -254,15 +276,13 @@ def run_tune(spec: TuneSpec, *, jobs: int = 1, command: str = "") -> dict[str, A
             "grid": rows,
         }
     return {
-        "format": TUNED_FORMAT,
+        "format": TUNED_FORMAT if side == "development" else CAPACITY_FORMAT,
         "command": command,
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "objective": "capacity at SLO: the highest load factor with served SLO share >= static's threshold "
         "on the trace; score = geo-mean over traces of capacity / static capacity",
         "spec": asdict(spec),
-        "development_traces": {
-            t: {"slice": list(DEV_SLICES[t]), "name": _dev_trace(t).name} for t in spec.traces
-        },
+        "traces": {t: _trace(t, side).name for t in spec.traces},
         "static": {
             t: {k: statics[t][k] for k in ("load", "threshold", "relative", "idle_share")}
             for t in spec.traces
@@ -299,10 +319,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="decode workers keep a radix prefix cache, for every policy (decode-side rules read it)",
     )
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel searches")
     p.add_argument(
-        "--out", default=str(TUNED_FILE), help="where to write the tuned values (default: the shipped file)"
+        "--evaluate",
+        action="store_true",
+        help="measure the shipped tuned values' capacity at SLO on compare's evaluation subsets instead "
+        "(writes --out, default runs/capacity.json; the tuned file is left alone)",
     )
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel searches")
+    p.add_argument("--out", default=None, help="where to write the tuned values (default: the shipped file)")
     p.set_defaults(func=_run)
     return p
 
@@ -315,7 +339,7 @@ def spec_from_args(args: argparse.Namespace) -> TuneSpec:
         if name not in known:
             raise ValueError(f"--policies: unknown policy {name!r}; known: {', '.join(known)}")
         ps = policy_spec(name)
-        if not (ps.grid or ps.grid_level):
+        if not (ps.grid or ps.grid_level or args.evaluate) or ps.passive:
             raise ValueError(f"--policies: {name!r} has no tuning grid")
     for trace in traces:
         if trace not in DEV_SLICES:
@@ -333,15 +357,17 @@ def spec_from_args(args: argparse.Namespace) -> TuneSpec:
         shape=args.shape.upper(),
         seed=args.seed,
         decode_prefix_cache=bool(args.decode_prefix_cache),
+        side="evaluation" if args.evaluate else "development",
     )
 
 
 def _run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     command = "crossflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+    out = Path(args.out or (TUNED_FILE if spec.side == "development" else "runs/capacity.json"))
     result = run_tune(spec, jobs=args.jobs, command=command)
-    write_json(Path(args.out), result, indent=1)
-    print(f"tune: {len(spec.policies)} policies in {result['wall_s']:.0f} s -> {args.out}")
+    write_json(out, result, indent=1)
+    print(f"tune: {len(spec.policies)} policies ({spec.side} side) in {result['wall_s']:.0f} s -> {out}")
     for t, s in result["static"].items():
         print(f"  static on {t}: capacity {s['load']:.3g} (SLO share threshold {s['threshold']:.3f})")
     for name, row in result["policies"].items():
