@@ -218,6 +218,8 @@ class RouterKvLoad(Mapping[int, int]):
 
     def __getitem__(self, node_id: int) -> int:
         if node_id not in self._found:
+            if not 0 <= node_id < len(self._workers):
+                raise KeyError(node_id)
             w = self._workers[node_id]
             pending = sum(r.input for r in w.prealloc)
             pending += sum(r.input for q in (w.borrowed, w.local) for r in q if not r.started)
