@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from envs.cluster_config import ClusterConfig
 
 
@@ -23,6 +25,14 @@ class _Timing(Protocol):
     def iteration_time_s(
         self, prefill: Sequence[tuple[int, int]] = (), decode_batch: int = 0, decode_context_tokens: int = 0
     ) -> float: ...
+
+    def iteration_times_s(
+        self,
+        prefill_tokens: np.ndarray,
+        prefill_attention_pairs: np.ndarray,
+        decode_batch: np.ndarray,
+        decode_context_tokens: np.ndarray,
+    ) -> np.ndarray: ...
 
 
 class ClusterEstimator:
@@ -54,6 +64,27 @@ class ClusterEstimator:
         with a ``prefill_tokens`` chunk of a fresh prompt mixed in, as the simulator times it."""
         chunks = [(prefill_tokens, 0)] if prefill_tokens > 0 else []
         return self.cost_model.iteration_time_s(chunks, decode_batch, decode_context_tokens)
+
+    def local_prefill_time_s(
+        self,
+        tokens: int,
+        cached_tokens: int,
+        chunk_tokens: int,
+        decode_batch: int,
+        decode_context_tokens: int,
+    ) -> float:
+        """``tokens`` of one prompt (after ``cached_tokens`` of cached prefix) prefilled on a decode
+        node in chunks of ``chunk_tokens``, each mixed into an iteration of the node's decode batch:
+        the sum of those iterations, each chunk's attention over the prefix before it included."""
+        if tokens <= 0:
+            return 0.0
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        starts = np.arange(0, tokens, chunk_tokens, dtype=np.float64)
+        new = np.minimum(float(chunk_tokens), tokens - starts)
+        pairs = new * (cached_tokens + starts) + new * (new + 1) * 0.5
+        times = self.cost_model.iteration_times_s(new, pairs, decode_batch, decode_context_tokens)
+        return float(times.sum())
 
 
 __all__ = ["ClusterEstimator"]

@@ -32,6 +32,18 @@ class CostEstimator(Protocol):
         with ``prefill_tokens`` of prefill mixed in."""
         ...
 
+    def local_prefill_time_s(
+        self,
+        tokens: int,
+        cached_tokens: int,
+        chunk_tokens: int,
+        decode_batch: int,
+        decode_context_tokens: int,
+    ) -> float:
+        """One prompt prefilled on a decode node in ``chunk_tokens`` chunks, each mixed into an
+        iteration of the node's decode batch (attention over the growing prefix included)."""
+        ...
+
 
 class ClusterView(Protocol):
     """The facts of the cluster a policy may read (``envs.cluster_config.ClusterConfig`` has them all)."""

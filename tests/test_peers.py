@@ -175,13 +175,14 @@ def test_deflect_sends_to_the_fastest_node_when_it_beats_the_prefill_path() -> N
     assert dec.path == "local" and dec.node_id == 0 and dec.code == PathReason.LOCAL_FASTER
     assert dec.est_borrow_s == pytest.approx(step0)
     assert dec.est_normal_s == pytest.approx(normal_path_estimate_s(COST, q))
-    # its own dispatch now queues on node 0 (2 iterations for the next), so the same request goes to node 1
+    # its own dispatch now queues on node 0 (2 iterations for the next), so the same request goes to
+    # node 1: its queue at its rate, then a full 3648-token chunk and a 192-token one
     again = decide(d, q)
-    assert again.node_id == 1 and again.est_borrow_s == pytest.approx((2000 + 3840) / 3648 * step1)
-    # with no queue on the prefill path (0.0484 + 0.005 s), the best local (node 0, 2 iterations) loses
+    tail_s = 0.01 + 192 * 1e-5 + 30 * 1e-4
+    assert again.node_id == 1 and again.est_borrow_s == pytest.approx(2000 / 3648 * step1 + step1 + tail_s)
+    # with no queue on the prefill path (0.0484 + 0.005 s) no node is faster (node 0: 2 iterations)
     late = decide(d, query(3840, wait_s=0.0))
-    assert late.path == "normal" and late.code == PathReason.LOCAL_NOT_FASTER
-    assert late.est_borrow_s == pytest.approx(2 * step0)
+    assert late.path == "normal" and late.code == PathReason.LOCAL_NOT_FASTER and late.est_borrow_s is None
     assert d.reconsider(query(3840, wait_s=0.0), 0.0) is None
     assert d.reconsider(query(3840, wait_s=5.0), 0.0) is not None
 
@@ -192,10 +193,26 @@ def test_deflect_skips_nodes_that_cannot_hold_the_request_and_waits_for_state() 
     d.observe(0.0, [state(0, 10, kv_used_tokens=99_500), state(1, 400)])
     # node 0 lacks KV for 1000 + 100 tokens; node 1 has no room in its iterations
     dec = decide(d, query(1000, wait_s=9.0, kv_load=None))
-    assert dec.path == "normal" and "no decode node" in dec.reason
+    assert dec.path == "normal" and "no decode node beats" in dec.reason
     q = query(3840, wait_s=0.05)  # local 0.0494 s vs normal 0.05 + 0.0484 + 0.005 s: faster by 52 %
     assert normal_path_estimate_s(COST, q) == pytest.approx(0.1034)
     for margin, path in ((0.5, "local"), (0.6, "normal")):
         d = Deflect(COST, CFG, margin=margin)
         d.observe(0.0, [state(0, 10)])
         assert decide(d, q).path == path
+
+
+def test_local_prefill_estimate_counts_each_chunks_attention_over_the_prefix() -> None:
+    from envs.cost_model import CostModel
+
+    cfg = ClusterConfig()
+    cm = CostModel(cfg.gpu, cfg.model, cfg.tp)
+    est = ClusterEstimator(cfg, cm)
+    tokens, cached, chunk, batch, context = 50_000, 2_000, 2048, 16, 128_000
+    by_hand = sum(
+        cm.iteration_time_s([(min(chunk, tokens - s), cached + s)], batch, context)
+        for s in range(0, tokens, chunk)
+    )
+    assert est.local_prefill_time_s(tokens, cached, chunk, batch, context) == pytest.approx(by_hand)
+    first_chunk_rate = -(-tokens // chunk) * est.mixed_step_time_s(chunk, batch, context)
+    assert by_hand > 1.2 * first_chunk_rate  # long prompts: later chunks attend over ever more prefix

@@ -4,7 +4,8 @@ For each policy of the catalog with a tuning grid (``PolicySpec.grid``: the peer
 chunk sizes, Crossflow's TTL, margins and ITL guard; every grid has the same number of points), and
 each development trace, the **capacity at SLO** of every grid point: the highest load factor at which
 at least the SLO threshold share of requests finish within the per-request SLO
-(``train.saturation.served_slo_share``), found by ``find_saturation`` starting from static's capacity.
+(``train.saturation.served_slo_share``), found by ``find_saturation`` starting from static's capacity
+and stopping at ``MAX_CAPACITY_FACTOR`` times it.
 The threshold is static's on that trace (``saturation_search``: 90 %, or 90 % of static's idle share
 when static never reaches 90 %), the same for every policy. A grid point's score is the geometric mean
 over the traces of its capacity over static's; each policy keeps its best point (the first on ties).
@@ -43,7 +44,7 @@ from policies.catalog import TUNED_FILE, TUNED_FORMAT, policy_names, policy_spec
 from train.compare import DEFAULT_SUBSET, oracle_shapes
 from train.experiment import MAX_THINK_S, Point, cap_think_time, prepare_trace, run_point
 from train.jsonio import write_json
-from train.saturation import find_saturation, saturation_search, served_slo_share
+from train.saturation import LOAD_BOUNDS, find_saturation, saturation_search, served_slo_share
 
 DEV_SLICES: dict[str, tuple[int, int]] = {"agent": (300, 360), "mooncake": (8000, 10000)}
 """Bundled trace -> [first, last) sessions (closed-loop) or requests (open-loop) used for tuning.
@@ -52,6 +53,11 @@ DEV_SLICES: dict[str, tuple[int, int]] = {"agent": (300, 360), "mooncake": (8000
 DEFAULT_TRACES = ("agent", "mooncake")
 CAPACITY_FORMAT = "crossflow-capacity/1"
 """``--evaluate`` output: capacities of the shipped tuned values on the evaluation side (not a tuned file)."""
+MAX_CAPACITY_FACTOR = 4.0
+"""Searches stop at this multiple of static's capacity (twice the highest load ``compare`` runs): a
+closed-loop trace of N sessions adds no load once all N are in flight, so its SLO share stops falling
+with the load factor and an unbounded search would report a capacity that means nothing. A capacity
+at the cap is reported unbracketed (at least that much)."""
 TIME_CAP_FACTOR, TIME_CAP_SLACK_S = 4.0, 3600.0
 """A lending simulation stops at ``FACTOR x`` static's duration at the same load plus ``SLACK`` (as in
 ``compare``): a request that can never be admitted would otherwise keep the control loop ticking."""
@@ -156,6 +162,7 @@ def capacity_job(job: CapacityJob) -> dict[str, Any]:
         lambda load: _share_at(job.point, params, load, job.side),
         threshold=job.threshold,
         start_load=job.start_load,
+        bounds=(LOAD_BOUNDS[0], MAX_CAPACITY_FACTOR * job.start_load),
     )
     return {
         "policy": job.point.policy,

@@ -20,6 +20,7 @@ still waiting on a prefill worker are re-evaluated every control interval. No le
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from policies.catalog import PolicySpec, register_policy
@@ -104,9 +105,11 @@ class Deflect(PathPolicy):
     def local_chunk_tokens(self, node_id: int) -> int:
         return self._chunk.get(node_id, 0)
 
-    def best_local(self, q: PathQuery) -> tuple[int, float, int] | None:
-        """``(node, estimated local TTFT, tokens it computes)`` of the fastest node, or ``None``."""
-        best: tuple[int, float, int] | None = None
+    def best_local(self, q: PathQuery, threshold_s: float = math.inf) -> tuple[int, float, int] | None:
+        """``(node, estimated local TTFT, tokens it computes)`` of the fastest node whose estimate is
+        under ``threshold_s``, or ``None``. A node's estimate is its queued local tokens at its chunk
+        rate, plus this prompt's chunks, each timed with its attention over the prefix before it."""
+        candidates = []
         for node, state in sorted(self.states.items()):
             chunk = self._chunk.get(node, 0)
             if chunk <= 0:
@@ -115,9 +118,19 @@ class Deflect(PathPolicy):
             load = q.decode_kv_load_tokens.get(node, state.kv_used_tokens)
             if load + need + q.expected_output_tokens > state.kv_capacity_tokens:
                 continue  # the node cannot hold it: it would only wait there
-            queued = state.local_prefill_tokens_queued + self._sent_tokens.get(node, 0)
-            est_s = (queued + need) / chunk * self._step_s[node]
-            if best is None or est_s < best[1]:
+            step_s = self._step_s[node]
+            queue_s = (state.local_prefill_tokens_queued + self._sent_tokens.get(node, 0)) / chunk * step_s
+            lower_s = queue_s + (need // chunk) * step_s  # full chunks at the first chunk's cost
+            candidates.append((lower_s, node, queue_s, need, state))
+        best: tuple[int, float, int] | None = None
+        for lower_s, node, queue_s, need, state in sorted(candidates, key=lambda c: (c[0], c[1])):
+            if lower_s >= min(threshold_s, best[1] if best else math.inf):
+                break  # neither this node nor any later one can do better
+            context = int(state.context_tokens_mean * state.decode_batch_size)
+            est_s = queue_s + self.cost.local_prefill_time_s(
+                need, q.input_tokens - need, self._chunk[node], state.decode_batch_size, context
+            )
+            if est_s < threshold_s and (best is None or est_s < best[1]):
                 best = (node, est_s, need)
         return best
 
@@ -127,16 +140,11 @@ class Deflect(PathPolicy):
             return PathDecision(
                 "normal", None, None, est_normal_s, None, "no decode node state yet", PathReason.NO_NODE_STATE
             )
-        best = self.best_local(q)
+        best = self.best_local(q, threshold_s=math.nextafter(est_normal_s * (1.0 - self.margin), math.inf))
         if best is None:
-            detail = "no decode node can take a chunk within the ITL target"
+            detail = f"no decode node beats normal {est_normal_s:.3f} s by the margin within the ITL target"
             return PathDecision("normal", None, None, est_normal_s, None, detail, PathReason.LOCAL_NOT_FASTER)
         node, est_s, need = best
-        if est_s > est_normal_s * (1.0 - self.margin):
-            detail = f"local {est_s:.3f} s on node {node} vs normal {est_normal_s:.3f} s"
-            return PathDecision(
-                "normal", None, None, est_normal_s, est_s, detail, PathReason.LOCAL_NOT_FASTER
-            )
         self._sent_tokens[node] = self._sent_tokens.get(node, 0) + need
         detail = (
             f"local {est_s:.3f} s on node {node} (chunk {self._chunk[node]}) vs normal {est_normal_s:.3f} s"

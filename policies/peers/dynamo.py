@@ -144,7 +144,7 @@ _register(
     {
         "path.eff_isl_threshold": (2048, 8192),
         "path.decode_busy_threshold": (0.5, 0.9),
-        "path.local_chunk_tokens": (1024, 4096),
+        "path.local_chunk_tokens": (512, 2048),
     },
 )
 _register(
@@ -154,7 +154,7 @@ _register(
     {
         "path.prefill_busy_threshold": (4.0, 16.0),
         "path.decode_busy_threshold": (0.5, 0.9),
-        "path.local_chunk_tokens": (1024, 4096),
+        "path.local_chunk_tokens": (512, 2048),
     },
 )
 _register(
@@ -164,7 +164,7 @@ _register(
     {
         "path.eff_isl_threshold": (2048, 8192),
         "path.prefill_busy_threshold": (4.0, 16.0),
-        "path.local_chunk_tokens": (1024, 4096),
+        "path.local_chunk_tokens": (512, 2048),
     },
 )
 

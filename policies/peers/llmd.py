@@ -58,7 +58,7 @@ register_policy(
         "llmd-prefix",
         "llm-d prefix-based PD decider: local iff the non-cached prompt is under a threshold",
         path="llmd-prefix",
-        grid={"path.non_cached_tokens": (256, 1024, 4096, 16384), "path.local_chunk_tokens": (1024, 4096)},
+        grid={"path.non_cached_tokens": (256, 1024, 4096, 16384), "path.local_chunk_tokens": (512, 2048)},
         source=SOURCE,
     )
 )

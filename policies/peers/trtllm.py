@@ -59,7 +59,7 @@ register_policy(
         path="trtllm-local",
         grid={
             "path.max_local_prefill_length": (256, 1024, 4096, 16384),
-            "path.local_chunk_tokens": (1024, 4096),
+            "path.local_chunk_tokens": (512, 2048),
         },
         source=SOURCE,
     )
