@@ -71,10 +71,9 @@ def main() -> None:
     for trace, n in traces.items():
         for load in loads:
             for cache in (False, True):
-                overrides = (("decode_prefix_cache", True),) if cache else ()
                 pts = {
                     pol: Point(
-                        policy=pol, trace=trace, max_requests=n, load=load, cluster_overrides=overrides
+                        policy=pol, trace=trace, max_requests=n, load=load, decode_prefix_cache=cache
                     )
                     for pol in ("static", "heuristic")
                 }

@@ -13,10 +13,7 @@ import time
 from envs.cost_model import CostModel
 from envs.simulator import simulate
 from interference_model.artifact import default_predictor
-from policies.ledger import LeaseLedger
-from policies.node_policies import make_node_policy
-from policies.scheduler import ClusterScheduler
-from train.experiment import Point, prepare_trace
+from train.experiment import Point, build_scheduler, prepare_trace
 
 CASES = [
     ("agent", 1.0, 100, 0.004),  # trace, load factor, first N sessions/requests, sessions per s
@@ -39,11 +36,8 @@ def main() -> None:
         for ttl in [None, *TTLS_S]:
             scheduler = None
             if ttl is not None:
-                policy = make_node_policy(
-                    "heuristic", predictor=predictor, itl_target_s=cfg.slo_tpot_s, ttl_s=ttl
-                )
-                scheduler = ClusterScheduler(
-                    policy, LeaseLedger(), cm, control_interval_s=cfg.control_interval_s
+                scheduler = build_scheduler(
+                    "heuristic", cfg, cm, predictor=predictor, params={"node.ttl_s": ttl}
                 )
             start = time.perf_counter()
             m = simulate(

@@ -80,6 +80,10 @@ class RunMetrics:
     retractions: int
     prefill_utilisation: float
     decode_utilisation: float
+    local_share: float = 0.0
+    """Share of requests prefilled on a decode node without a lease (a path policy's ``local``)."""
+    local_prefill_tokens: int = 0
+    """Prompt tokens those requests computed there."""
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -151,7 +155,7 @@ def _offered_timeline(sim: Simulator, df: pd.DataFrame) -> pd.DataFrame:
 
 def build_result(sim: Simulator) -> SimResult:
     """Collect a finished (or stopped) simulation into records and metrics."""
-    from envs.sim_state import BORROWED, FALLBACK, PATH_NAMES
+    from envs.sim_state import BORROWED, FALLBACK, LOCAL, PATH_NAMES
 
     cfg = sim.config
     reqs = [r for r in sim.reqs if not math.isnan(r.arrival_s)]
@@ -229,6 +233,8 @@ def build_result(sim: Simulator) -> SimResult:
         retractions=int(df["retractions"].sum()),
         prefill_utilisation=float(np.mean(busy_p)),
         decode_utilisation=float(np.mean(busy_d)),
+        local_share=float((paths == LOCAL).mean()) if len(paths) else 0.0,
+        local_prefill_tokens=int(sim.counters.local_prefill_tokens),
     )
     nodes = pd.DataFrame(
         [{"role": "prefill", "index": i, "busy_fraction": b} for i, b in enumerate(busy_p)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,8 +18,8 @@ from envs.prefix_cache import PrefixCache
 from envs.request import Request
 from policies.admission import LeaseTokenBucket
 
-NORMAL, BORROWED, FALLBACK = 0, 1, 2
-PATH_NAMES = ("normal", "borrowed", "fallback")
+NORMAL, BORROWED, FALLBACK, LOCAL = 0, 1, 2, 3
+PATH_NAMES = ("normal", "borrowed", "fallback", "local")
 
 
 class ReqState:
@@ -98,6 +98,8 @@ class Counters:
     prefill_tokens: int = 0
     """Prompt tokens computed (prefill workers and borrowed prefill on decode nodes)."""
     borrowed_prefill_tokens: int = 0
+    local_prefill_tokens: int = 0
+    """Prompt tokens computed on decode nodes without a lease (a path policy's ``local`` requests)."""
     output_tokens: int = 0
     """Output tokens produced (first tokens included)."""
     first_tokens: int = 0
@@ -148,6 +150,8 @@ class DecodeWorker:
     """Requests retracted for lack of KV, waiting to take their KV back (they resume first)."""
     running: list[ReqState] = field(default_factory=list)
     borrowed: deque[ReqState] = field(default_factory=deque)
+    local: deque[ReqState] = field(default_factory=deque)
+    """Requests a path policy sent here without a lease, waiting for or in their chunked prefill."""
     kv_used: int = 0
     """KV tokens allocated to requests (pre-allocated inputs included); the prefix cache lives in the rest."""
     n_active: int = 0
@@ -204,6 +208,42 @@ class DecodeCacheMatches(Mapping[int, int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._workers)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+
+class RouterKvLoad(Mapping[int, int]):
+    """node id -> KV tokens a router counts on that decode node: allocated, plus the inputs of requests
+    routed there that hold none yet (waiting to pre-allocate, or borrowed/local and not started).
+
+    Each node is read once, on first access, and kept: one object per simulated instant makes
+    decisions taken at the same instant blind to each other, as concurrent decisions are in a router
+    that peeks at the load before it books the request.
+    """
+
+    def __init__(
+        self, workers: Sequence[DecodeWorker], before_read: Callable[[DecodeWorker], None] | None = None
+    ) -> None:
+        self._workers = workers
+        self._before_read = before_read
+        """Brings a worker up to date before it is read (the simulator's ``_sync`` of a decode jump)."""
+        self._found: dict[int, int] = {}
+
+    def __getitem__(self, node_id: int) -> int:
+        if node_id not in self._found:
+            if not 0 <= node_id < len(self._workers):
+                raise KeyError(node_id)
+            w = self._workers[node_id]
+            if self._before_read is not None:
+                self._before_read(w)
+            pending = sum(r.input for r in w.prealloc)
+            pending += sum(r.input for q in (w.borrowed, w.local) for r in q if not r.started)
+            self._found[node_id] = w.kv_used + pending
+        return self._found[node_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._workers)))
 
     def __len__(self) -> int:
         return len(self._workers)

@@ -25,6 +25,12 @@ What it models (SGLang 0.5.23's PD mode behind smg 1.13.0, one event per forward
   ``LeaseTokenBucket``, which its live lease feeds (zero lease, zero borrowed work). A task not yet
   started waits while decode waits for room (decode always wins), re-checks with the scheduler, and
   falls back to the normal path if its reservation is revoked before it starts.
+* **Local prefill without a lease** (the peers' conditional disaggregation): a request a path policy
+  sends to a decode node as ``local`` prefills there in chunks of at most the policy's
+  ``local_chunk_tokens(node)`` per decode iteration. No reservation, no token bucket: only the
+  policy's own rule bounds what goes there. It starts, like a borrowed task, once no decode request
+  waits for the node and its KV fits. A policy may also move a request still waiting on a prefill
+  worker to ``local`` (``reconsider_path``, each control interval).
 * **Context windows**: requests beyond the model's window are compacted (``envs.context``) or
   rejected at arrival, per ``ClusterConfig.context_policy``.
 
@@ -59,11 +65,13 @@ from envs.request import Trace
 from envs.sim_state import (
     BORROWED,
     FALLBACK,
+    LOCAL,
     Counters,
     DecodeCacheMatches,
     DecodeWorker,
     PrefillWorker,
     ReqState,
+    RouterKvLoad,
 )
 from policies.admission import (
     LeaseTokenBucket,
@@ -106,6 +114,16 @@ class SchedulerHooks(Protocol):
     def pull_tokens(self, reservation_id: int) -> int: ...
 
     def granted_prefill_tokens(self, node_id: int, now_s: float) -> float: ...
+
+    def local_chunk_tokens(self, node_id: int) -> int: ...
+
+    @property
+    def uses_gateway_decode_pick(self) -> bool: ...
+
+    @property
+    def reconsiders_waiting(self) -> bool: ...
+
+    def reconsider_path(self, query: Any, now_s: float) -> Any: ...
 
 
 class Simulator:
@@ -175,6 +193,8 @@ class Simulator:
         self._event_kind = _EV_RELEASE
         self.node_timeline: list[tuple[float, int, float, int, int]] = []
         self._tick_pending = False
+        self._kv_load = RouterKvLoad(self.decode, self._sync)
+        self._kv_load_s = -math.inf
         self._schedule_arrivals(load_factor, session_rate_per_s, session_rate_curve)
 
     # ---------------------------------------------------------------- events
@@ -291,30 +311,19 @@ class Simulator:
 
     def _choose_path(self, req: ReqState) -> None:
         """Ask the scheduler which path ``req`` takes and dispatch it there."""
-        from policies.scheduler import PathQuery  # local: keeps envs importable without a scheduler
-
         assert self.scheduler is not None
         pidx, cached = self._pick_prefill(req)
-        uncached = req.input - cached
-        decode_cached: Mapping[int, int] = {}
-        if self.config.decode_prefix_cache:
-            for w in self.decode:
-                self._sync(w)
-            decode_cached = DecodeCacheMatches(self.decode, req)
-        query = PathQuery(
-            request_id=req.rid,
-            session_id=self._session[req.rid],
-            input_tokens=req.input,
-            expected_output_tokens=req.output,
-            normal_uncached_tokens=uncached,
-            normal_queue_wait_s=self.estimator.queue_wait_s(self.prefill[pidx].queued_tokens),
-            normal_prefill_worker=pidx,
-            decode_cached_tokens=decode_cached,
-            prefill_cached_tokens=cached,
-        )
+        # The gateway's decode pick is made first only for path policies that read it (it draws from the
+        # routing RNG on ties, so making it for every request would change every other policy's runs).
+        didx = self._pick_decode(req) if self.scheduler.uses_gateway_decode_pick else None
+        queued = self.prefill[pidx].queued_tokens
+        query = self._path_query(req, pidx, didx, cached, queued)
         decision = self.scheduler.choose_path(query, self.now_s)
+        if decision.path == "local":
+            self._dispatch_local(req, decision.node_id)
+            return
         if decision.path != "borrow":
-            self._dispatch_normal(req, pidx)
+            self._dispatch_normal(req, pidx, didx)
             return
         req.path = BORROWED
         req.reservation = decision.reservation_id
@@ -329,6 +338,79 @@ class Simulator:
             self._push(done_s, _EV_BORROW, req.rid, 0)
         else:
             self._on_borrow_arrival(req.rid)
+
+    def _path_query(
+        self, req: ReqState, pidx: int, didx: int | None, prefill_cached: int, queued_tokens: int
+    ) -> Any:
+        """What the path policy is told about ``req`` routed to prefill worker ``pidx`` (holding
+        ``prefill_cached`` of its tokens, ``queued_tokens`` queued ahead) and decode worker ``didx``."""
+        from policies.path import PathQuery  # local: keeps envs importable without a scheduler
+
+        decode_cached: Mapping[int, int] = {}
+        if self.config.decode_prefix_cache:
+            for w in self.decode:  # the caches as of now (a decode jump evicts as it goes)
+                self._sync(w)
+            decode_cached = DecodeCacheMatches(self.decode, req)
+        if self._kv_load_s != self.now_s:  # one router-side load snapshot per instant (RouterKvLoad)
+            self._kv_load, self._kv_load_s = RouterKvLoad(self.decode, self._sync), self.now_s
+        return PathQuery(
+            request_id=req.rid,
+            session_id=self._session[req.rid],
+            input_tokens=req.input,
+            expected_output_tokens=req.output,
+            normal_uncached_tokens=req.input - prefill_cached,
+            normal_queue_wait_s=self.estimator.queue_wait_s(queued_tokens),
+            normal_prefill_worker=pidx,
+            decode_cached_tokens=decode_cached,
+            prefill_cached_tokens=prefill_cached,
+            normal_decode_worker=didx,
+            normal_queued_tokens=queued_tokens,
+            decode_kv_load_tokens=self._kv_load,
+            decode_kv_capacity_tokens=self.cm.kv_capacity_tokens,
+        )
+
+    def _dispatch_local(self, req: ReqState, node: int) -> None:
+        """A ``local`` decision: ``req`` prefills on decode node ``node`` without a lease."""
+        req.path = LOCAL
+        req.decode_worker = node
+        self.decode_pool.dispatched(node)
+        self._decode_tree[node].insert(req.rid)
+        w = self.decode[node]
+        w.local.append(req)
+        self._kick_decode(w)
+
+    def _reconsider_waiting(self) -> None:
+        """Offer each request still waiting on a prefill worker (queue order, with the uncomputed work
+        queued ahead of it) to the path policy; a ``local`` answer moves it to that decode node."""
+        assert self.scheduler is not None
+        for pw in self.prefill:
+            ahead = sum(r.input - r.done for r in pw.queue if r.started)
+            for req in [r for r in pw.queue if not r.started]:
+                cached = req.input - req.queued_estimate
+                query = self._path_query(req, pw.idx, req.decode_worker, cached, ahead)
+                decision = self.scheduler.reconsider_path(query, self.now_s)
+                if decision is not None and decision.path == "local":
+                    self._withdraw_normal(req)
+                    self._dispatch_local(req, decision.node_id)
+                else:
+                    ahead += req.queued_estimate
+
+    def _withdraw_normal(self, req: ReqState) -> None:
+        """Take a request whose prefill has not started back from its prefill and decode workers."""
+        pw, w = self.prefill[req.prefill_worker], self.decode[req.decode_worker]
+        pw.queue.remove(req)
+        pw.queued_tokens -= req.queued_estimate
+        self.prefill_pool.finished(pw.idx)
+        self.decode_pool.finished(w.idx)
+        if req.bootstrapped:  # its KV was pre-allocated on the decode worker: give it back
+            w.kv_used -= req.kv_held
+            w.n_active -= 1
+            req.kv_held = req.context = req.d_cached = 0
+            req.bootstrapped = False
+        else:
+            w.prealloc.remove(req)
+        req.prefill_worker = req.decode_worker = -1
+        self._try_prealloc(w)
 
     def _on_borrow_arrival(self, rid: int) -> None:
         """A borrowed task reaches its node, which re-checks its state before accepting it."""
@@ -404,9 +486,10 @@ class Simulator:
             lambda i: tree[i].used_pages * self.config.page_tokens,
         )
 
-    def _dispatch_normal(self, req: ReqState, pidx: int) -> None:
-        """Dual dispatch: the request joins P's queue and D's pre-allocation queue at once."""
-        didx = self._pick_decode(req)
+    def _dispatch_normal(self, req: ReqState, pidx: int, didx: int | None = None) -> None:
+        """Dual dispatch: the request joins P's queue and D's pre-allocation queue at once (D is the
+        gateway's pick unless given)."""
+        didx = self._pick_decode(req) if didx is None else didx
         self.prefill_pool.dispatched(pidx)
         self.decode_pool.dispatched(didx)
         self._prefill_tree[pidx].insert(req.rid)
@@ -752,15 +835,7 @@ class Simulator:
                     w.borrowed.remove(req)
                     self._fallback(req)
                     continue
-                req.started = True
-                cached = min(local + req.pull, req.input - 1)
-                req.cached = cached
-                req.done = cached
-                req.context = req.input
-                req.kv_held = req.input - local
-                w.kv_used += req.kv_held
-                w.n_active += 1
-                req.has_kv = True
+                self._start_on_node(w, req, local, min(local + req.pull, req.input - 1))
                 state = None
             take = min(req.input - req.done, budget)
             chunks.append((req, take))
@@ -769,6 +844,43 @@ class Simulator:
         if spent:
             w.bucket.spend(spent, self.now_s)
         return chunks
+
+    def _take_local_chunks(self, w: DecodeWorker) -> list[tuple[ReqState, int]]:
+        """Chunks of unleased (``local``) prefill to mix into this iteration: FCFS up to the path
+        policy's chunk size, nothing paid from the token bucket. A request not yet started waits, as a
+        borrowed one does, while decode requests wait for the node, or until its KV fits."""
+        if not w.local or self.scheduler is None:
+            return []
+        budget = self.scheduler.local_chunk_tokens(w.idx)
+        chunks: list[tuple[ReqState, int]] = []
+        for req in w.local:
+            if budget <= 0:
+                break
+            if not req.started:
+                full = len(w.running) >= self.config.max_running_requests
+                if w.waiting or w.prealloc or w.retracted or full:
+                    break
+                local = min(w.cache.match_tokens(req.rid, touch=True), req.input - 1) if w.cache else 0
+                if not self._kv_fits(w, req.input - local):
+                    break
+                self._start_on_node(w, req, local, local)
+            take = min(req.input - req.done, budget)
+            chunks.append((req, take))
+            budget -= take
+        return chunks
+
+    @staticmethod
+    def _start_on_node(w: DecodeWorker, req: ReqState, local_cached: int, cached: int) -> None:
+        """``req`` starts prefilling on decode node ``w``: it allocates KV for what the node does not
+        cache (``local_cached``) and computes from ``cached`` (its cache hit plus any pulled prefix)."""
+        req.started = True
+        req.cached = cached
+        req.done = cached
+        req.context = req.input
+        req.kv_held = req.input - local_cached
+        w.kv_used += req.kv_held
+        w.n_active += 1
+        req.has_kv = True
 
     @staticmethod
     def _borrowed_remaining(w: DecodeWorker) -> int:
@@ -813,6 +925,7 @@ class Simulator:
         fixed_s, per_ctx_s = self._decode_linear(batch) if batch else (0.0, 0.0)
         decode_step = fixed_s + ctx * per_ctx_s if batch else 0.0
         prefill.extend(self._take_borrowed_chunks(w))
+        prefill.extend(self._take_local_chunks(w))
         if batch == 0 and not prefill:
             w.busy = False
             self._wake_when_credit(w)
@@ -873,17 +986,24 @@ class Simulator:
                 req.last_token_s = self.now_s
                 continue
             req.done += take
-            w.borrowed_tokens_total += take
             self.counters.prefill_tokens += take
-            self.counters.borrowed_prefill_tokens += take
+            if req.path == LOCAL:
+                self.counters.local_prefill_tokens += take
+            else:
+                w.borrowed_tokens_total += take
+                self.counters.borrowed_prefill_tokens += take
             if req.done >= req.input:
                 self._borrowed_prefill_done(w, req)
         w.iter_prefill = []
 
     def _borrowed_prefill_done(self, w: DecodeWorker, req: ReqState) -> None:
-        w.borrowed.remove(req)
-        if self.scheduler is not None:
-            self.scheduler.on_prefill_done(req.reservation)
+        """A borrowed or local prefill on ``w`` finished: first token, then it decodes here."""
+        if req.path == LOCAL:
+            w.local.remove(req)
+        else:
+            w.borrowed.remove(req)
+            if self.scheduler is not None:
+                self.scheduler.on_prefill_done(req.reservation)
         self._emit_first_token(req)
         if req.generated >= req.output:
             self._finish(w, req)
@@ -955,6 +1075,8 @@ class Simulator:
             queued_decode_requests=len(w.waiting) + len(w.prealloc) + len(w.retracted),
             borrowed_tasks=len(w.borrowed),
             borrowed_prefill_tokens_queued=sum(r.input - r.done for r in w.borrowed),
+            local_tasks=len(w.local),
+            local_prefill_tokens_queued=sum(r.input - r.done for r in w.local),
             recent_step_time_s=recent,
             decode_only_step_time_s=decode_only,
             recent_decode_only_step_time_s=recent_decode_only,
@@ -979,11 +1101,14 @@ class Simulator:
             w.step_time_ns = 0
             w.decode_only_ns = 0
             w.step_count = 0
-            if w.borrowed and rate > 0:
+            if (w.borrowed and rate > 0) or w.local:
                 self._kick_decode(w)
+        if self.scheduler.reconsiders_waiting:
+            self._reconsider_waiting()
         # An idle cluster needs no control ticks: the next arrival restarts them.
         idle = all(
-            not w.busy and not w.borrowed and not w.waiting and not w.retracted for w in self.decode
+            not w.busy and not w.borrowed and not w.local and not w.waiting and not w.retracted
+            for w in self.decode
         ) and all(not pw.busy for pw in self.prefill)
         if self.finished < len(self.reqs) and not idle:
             self._push(self.now_s + self.config.control_interval_s, _EV_TICK, 0, 0)

@@ -1,4 +1,4 @@
-"""Leases, the lease ledger, node policies and the cluster scheduler's path choice.
+"""Leases, the lease ledger, node policies, path policies, the peers and the cluster scheduler.
 
 Imports only ``interference_model`` (and the standard library / numpy); never ``envs``, ``serving``
 or ``train``. See ``docs/leases.md`` for the lease life cycle and the decisions behind it.
@@ -6,6 +6,9 @@ or ``train``. See ``docs/leases.md`` for the lease life cycle and the decisions 
 
 from __future__ import annotations
 
+from policies import peers  # registers the peers
+from policies.catalog import PolicySpec, make_scheduler, policy_names, policy_spec
+from policies.context import PolicyContext
 from policies.lease import BUDGET_FIELDS, Lease, LeaseBudgets
 from policies.ledger import LeaseLedger, Reservation, ReservationStatus
 from policies.node_policies import (
@@ -21,6 +24,7 @@ from policies.node_policies import (
     register_node_policy,
 )
 from policies.node_state import NodeState
+from policies.path import PathPolicy, PathReason, make_path_policy, path_policy_names, register_path_policy
 from policies.rl_policy import RLPolicy  # registers the ``rl`` node policy
 from policies.scheduler import ClusterScheduler, CostEstimator, PathDecision, PathQuery
 
@@ -37,7 +41,11 @@ __all__ = [
     "NodePolicyRegistry",
     "NodeState",
     "PathDecision",
+    "PathPolicy",
     "PathQuery",
+    "PathReason",
+    "PolicyContext",
+    "PolicySpec",
     "RLPolicy",
     "Reservation",
     "ReservationStatus",
@@ -45,6 +53,13 @@ __all__ = [
     "StaticPolicy",
     "UtilisationPolicy",
     "make_node_policy",
+    "make_path_policy",
+    "make_scheduler",
     "node_policy_names",
+    "path_policy_names",
+    "peers",
+    "policy_names",
+    "policy_spec",
     "register_node_policy",
+    "register_path_policy",
 ]

@@ -9,7 +9,9 @@ uses it to pause borrowed prefill that has arrived but not started, and otherwis
 proposal as pressure.
 
 Policies are pure functions of the state (no hidden state, no randomness), so the simulator and the
-router get identical answers. Plug-ins register a factory by name: ``register_node_policy("rl", f)``.
+router get identical answers. Plug-ins register a factory ``factory(ctx, **params)`` by name
+(``register_node_policy("rl", f, needs_predictor=True)``); ``ctx`` is the one ``PolicyContext`` every
+policy factory receives (cost estimator, cluster, and the predictor for those that declare a need).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from policies.context import PolicyContext, Registry
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
 from policies.slo import DEFAULT_TPOT_SLO_S
@@ -273,38 +276,27 @@ def headroom_budgets(
 
 # ---- registry -------------------------------------------------------------------------------------
 NodePolicyFactory = Callable[..., NodePolicy]
+"""``factory(ctx: PolicyContext, **params) -> NodePolicy``."""
 
-
-class NodePolicyRegistry:
-    """Name -> factory. A module-level default instance backs ``register_node_policy``/``make_node_policy``;
-    build a private one in tests so registrations do not leak between them."""
-
-    def __init__(self) -> None:
-        self._factories: dict[str, NodePolicyFactory] = {}
-
-    def register(self, name: str, factory: NodePolicyFactory, *, replace: bool = False) -> None:
-        if not name or not name.isidentifier():
-            raise ValueError(f"node policy name must be a non-empty identifier, got {name!r}")
-        if name in self._factories and not replace:
-            raise ValueError(f"node policy {name!r} is already registered (pass replace=True to override)")
-        self._factories[name] = factory
-
-    def make(self, name: str, **kwargs: Any) -> NodePolicy:
-        try:
-            factory = self._factories[name]
-        except KeyError:
-            raise KeyError(f"unknown node policy {name!r}; registered: {self.names()}") from None
-        return factory(**kwargs)
-
-    def names(self) -> list[str]:
-        return sorted(self._factories)
+NodePolicyRegistry = Registry[NodePolicy]
 
 
 def _default_registry() -> NodePolicyRegistry:
-    registry = NodePolicyRegistry()
-    registry.register("static", StaticPolicy)
-    registry.register("utilisation", UtilisationPolicy)
-    registry.register("heuristic", HeuristicPolicy)
+    registry = NodePolicyRegistry("node policy")
+    registry.register("static", lambda ctx, **params: StaticPolicy(**params), summary="never lends")
+    registry.register(
+        "utilisation",
+        lambda ctx, **params: UtilisationPolicy(**{"itl_target_s": ctx.cluster.slo_tpot_s, **params}),
+        summary="lends a fixed slice while one utilisation figure is low",
+    )
+    registry.register(
+        "heuristic",
+        lambda ctx, **params: HeuristicPolicy(
+            ctx.require_predictor("heuristic"), **{"itl_target_s": ctx.cluster.slo_tpot_s, **params}
+        ),
+        needs_predictor=True,
+        summary="lends what the interference model predicts is safe, with a margin",
+    )
     return registry
 
 
@@ -312,14 +304,21 @@ NODE_POLICIES = _default_registry()
 """The process-wide plug-in table (the only module-level mutable object: a registry of factories)."""
 
 
-def register_node_policy(name: str, factory: NodePolicyFactory, *, replace: bool = False) -> None:
-    """Make ``make_node_policy(name, **kw)`` call ``factory(**kw)``."""
-    NODE_POLICIES.register(name, factory, replace=replace)
+def register_node_policy(
+    name: str,
+    factory: NodePolicyFactory,
+    *,
+    needs_predictor: bool = False,
+    summary: str = "",
+    replace: bool = False,
+) -> None:
+    """Make ``make_node_policy(name, ctx, **params)`` call ``factory(ctx, **params)``."""
+    NODE_POLICIES.register(name, factory, needs_predictor=needs_predictor, summary=summary, replace=replace)
 
 
-def make_node_policy(name: str, **kwargs: Any) -> NodePolicy:
-    """Build a registered node policy by name (``static``, ``utilisation``, ``heuristic``, plug-ins)."""
-    return NODE_POLICIES.make(name, **kwargs)
+def make_node_policy(name: str, ctx: PolicyContext, **params: Any) -> NodePolicy:
+    """Build a registered node policy by name (``static``, ``utilisation``, ``heuristic``, ``rl``, ...)."""
+    return NODE_POLICIES.make(name, ctx, **params)
 
 
 def node_policy_names() -> list[str]:

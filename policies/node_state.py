@@ -43,6 +43,10 @@ class NodeState:
     """What the iterations of the last control interval would have taken on average without prefill
     mixed in (0 when unknown). ``recent_step_time_s / recent_decode_only_step_time_s`` is the node's
     ITL inflation from borrowed work, free of batch-size changes."""
+    local_tasks: int = 0
+    """Requests queued or prefilling here without a lease (a path policy's ``local`` decisions)."""
+    local_prefill_tokens_queued: int = 0
+    """Uncomputed prefill tokens of those requests."""
 
     @property
     def kv_occupancy(self) -> float:

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from policies.catalog import CROSSFLOW_SOURCE, PolicySpec, register_policy
+from policies.context import PolicyContext
 from policies.lease import LeaseBudgets
 from policies.node_policies import (
     SafePrefillPredictor,
@@ -300,7 +302,7 @@ class RLPolicy:
     """Node policy ``rl``: ``propose(state)`` runs the exported MLP on ``observe(state)``.
 
     Pure function of the state (deterministic action, no hidden state), like every node policy.
-    Build it with :meth:`load` (or ``make_node_policy("rl", predictor=..., artifact=path)``).
+    Build it with :meth:`load` (or ``make_node_policy("rl", ctx, artifact=path)``).
     """
 
     predictor: SafePrefillPredictor
@@ -350,14 +352,31 @@ class RLPolicy:
 
 
 def make_rl_policy(
-    predictor: SafePrefillPredictor,
+    ctx: PolicyContext,
     artifact: str | Path | None = None,
     shield: bool | None = None,
     itl_target_s: float | None = None,
 ) -> RLPolicy:
-    """Registry factory: ``make_node_policy("rl", predictor=..., artifact=path)``."""
-    return RLPolicy.load(predictor, artifact, shield=shield, itl_target_s=itl_target_s)
+    """Registry factory: ``make_node_policy("rl", ctx, artifact=path)`` (``ctx`` carries the predictor;
+    the ITL target is the artifact's unless given)."""
+    return RLPolicy.load(ctx.require_predictor("rl"), artifact, shield=shield, itl_target_s=itl_target_s)
 
 
 if "rl" not in node_policy_names():
-    register_node_policy("rl", make_rl_policy)
+    register_node_policy(
+        "rl", make_rl_policy, needs_predictor=True, summary="the PPO-trained lease policy (shipped artifact)"
+    )
+    register_policy(
+        PolicySpec(
+            "rl",
+            "Crossflow, learned: leases sized by the PPO policy, borrowed on congestion when faster",
+            node="rl",
+            path="lease",
+            grid={
+                "path.congestion_wait_s": (0.2, 1.0),
+                "path.borrow_margin": (0.1, 0.3),
+                "scheduler.itl_guard": (1.25, None),
+            },
+            source=CROSSFLOW_SOURCE + "; policies/rl_policy.py, docs/rl.md",
+        )
+    )

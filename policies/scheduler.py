@@ -1,6 +1,9 @@
-"""The cluster scheduler: publishes leases each control interval and chooses each request's path.
+"""The cluster scheduler: publishes leases each control interval and asks its path policy for each
+request's path.
 
-One object, used unchanged by the simulator and the HTTP router. Its life cycle per borrowed request::
+One object, used unchanged by the simulator and the HTTP router. Leases come from the node policies;
+the path (normal, borrow on a lease, or local without one) from the path policy (``policies.path``;
+Crossflow's is ``policies.lease_path.LeasePath``). Its life cycle per borrowed request::
 
     choose_path ─(borrow: reservation made)─► on_task_arrival ─"run"─► on_task_started (commit)
                                                │  "pause": retry later     ─► on_prefill_done
@@ -23,80 +26,18 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import replace
+from typing import Any, Literal
 
+from policies.context import CostEstimator
 from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
 from policies.node_policies import NodePolicy
 from policies.node_state import NodeState
+from policies.path import PathDecision, PathPolicy, PathQuery
 from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
-PathName = Literal["normal", "borrow"]
 ArrivalVerdict = Literal["run", "pause", "fallback"]
-
-
-class CostEstimator(Protocol):
-    """Timing the scheduler needs (the cost model, duck-typed)."""
-
-    def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0) -> float: ...
-
-    def kv_transfer_time_s(self, tokens: int) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class PathQuery:
-    """What the router/simulator knows about a request when it must pick a path."""
-
-    request_id: int
-    session_id: int
-    input_tokens: int
-    expected_output_tokens: int
-    normal_uncached_tokens: int
-    """Input tokens the normal path's prefill worker must compute (the rest hit its prefix cache)."""
-    normal_queue_wait_s: float
-    """Estimated queueing on the normal path's prefill worker."""
-    normal_prefill_worker: int
-    decode_cached_tokens: Mapping[int, int] = field(default_factory=dict)
-    """node_id -> leading input tokens already cached on that decode node."""
-    prefill_cached_tokens: int = 0
-    """Leading input tokens cached on the normal prefill worker (a decode node may pull them)."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "input_tokens",
-            "expected_output_tokens",
-            "normal_uncached_tokens",
-            "prefill_cached_tokens",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"PathQuery.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.normal_uncached_tokens > self.input_tokens:
-            raise ValueError(
-                f"PathQuery.normal_uncached_tokens ({self.normal_uncached_tokens}) exceeds input_tokens "
-                f"({self.input_tokens})"
-            )
-        if self.normal_queue_wait_s < 0:
-            raise ValueError(f"PathQuery.normal_queue_wait_s must be >= 0, got {self.normal_queue_wait_s!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class PathDecision:
-    path: PathName
-    node_id: int | None
-    """Lending node for ``borrow``; ``None`` for ``normal``."""
-    reservation_id: int | None
-    est_normal_s: float
-    est_borrow_s: float | None
-    """Best borrow estimate considered (``None`` when no lease was usable or it was not congested)."""
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class _BorrowOption:
-    node_id: int
-    est_s: float
-    demand: LeaseBudgets
 
 
 class ClusterScheduler:
@@ -106,11 +47,11 @@ class ClusterScheduler:
         policy: one node policy for every node, or ``{node_id: policy}``.
         ledger: the lease ledger (shared with whoever commits/releases).
         cost: prefill and KV-transfer timing (the cost model).
+        path: the path policy (``policies.path``); default Crossflow's ``LeasePath`` with
+            ``congestion_wait_s`` and ``borrow_margin`` (pass those only without ``path``).
         control_interval_s: how often ``on_control_interval`` is called; every policy's ``ttl_s`` must
             be at least this, or leases would lapse between intervals.
-        congestion_wait_s: the prefill pool counts as congested when the normal path's queue wait
-            exceeds this; below it every request takes the normal path.
-        borrow_margin: borrow only if ``est_borrow_s <= est_normal_s * (1 - borrow_margin)``.
+        congestion_wait_s, borrow_margin: the default path policy's (``policies.lease_path``).
         itl_guard: cap on the decode pool's ITL inflation, the token-weighted mean step time over the
             decode-only step time, ``sum(batch x recent step) / sum(batch x decode-only step)``
             (smoothed over intervals). While above it every new lease's prefill budget is halved each
@@ -125,16 +66,27 @@ class ClusterScheduler:
         ledger: LeaseLedger,
         cost: CostEstimator,
         *,
+        path: PathPolicy | None = None,
         control_interval_s: float = DEFAULT_CONTROL_INTERVAL_S,
-        congestion_wait_s: float = 0.2,
-        borrow_margin: float = 0.1,
+        congestion_wait_s: float | None = None,
+        borrow_margin: float | None = None,
         itl_guard: float | None = 1.25,
         max_records: int = 10_000,
     ) -> None:
         if not control_interval_s > 0:
             raise ValueError(f"control_interval_s must be > 0, got {control_interval_s!r}")
-        if congestion_wait_s < 0 or not 0 <= borrow_margin < 1:
-            raise ValueError("congestion_wait_s must be >= 0 and borrow_margin in [0, 1)")
+        if path is None:
+            from policies.lease_path import DEFAULT_BORROW_MARGIN, DEFAULT_CONGESTION_WAIT_S, LeasePath
+
+            path = LeasePath(
+                cost,
+                congestion_wait_s=DEFAULT_CONGESTION_WAIT_S
+                if congestion_wait_s is None
+                else congestion_wait_s,
+                borrow_margin=DEFAULT_BORROW_MARGIN if borrow_margin is None else borrow_margin,
+            )
+        elif congestion_wait_s is not None or borrow_margin is not None:
+            raise ValueError("congestion_wait_s and borrow_margin belong to the path policy; pass them to it")
         if itl_guard is not None and not itl_guard >= 1.0:
             raise ValueError(f"itl_guard must be >= 1 (a ratio of step times) or None, got {itl_guard!r}")
         policies = policy.values() if isinstance(policy, Mapping) else [policy]
@@ -148,8 +100,8 @@ class ClusterScheduler:
         self.ledger = ledger
         self.cost = cost
         self.control_interval_s = control_interval_s
-        self.congestion_wait_s = congestion_wait_s
-        self.borrow_margin = borrow_margin
+        self.path = path
+        """The path policy every ``choose_path`` asks."""
         self.itl_guard = itl_guard
         self.lend_scale = 1.0
         """Share of each policy's prefill headroom currently lent (the ITL guard's control variable)."""
@@ -179,8 +131,13 @@ class ClusterScheduler:
         ``state`` already reflects still holds (committed reservations, and un-started ones that have
         arrived at the node), so that work is neither counted twice nor revoked for lack of room.
         Reservations still in flight to the node are carried over only if they fit the headroom.
+        A path policy that never borrows (``uses_leases`` False) gets no leases published at all:
+        nothing could spend them. Either way the path policy then observes ``states``.
         """
         with self._lock:
+            if not self.path.uses_leases:
+                self.path.observe(now_s, states)
+                return []
             revoked = self.ledger.expire(now_s)
             self._update_itl_guard(states)
             for state in sorted(states, key=lambda s: s.node_id):
@@ -218,6 +175,7 @@ class ClusterScheduler:
                         }
                     )
             self._arrived.intersection_update(self.ledger.active_ids())
+            self.path.observe(now_s, states)
             return sorted(revoked)
 
     @staticmethod
@@ -252,102 +210,53 @@ class ClusterScheduler:
             self.lend_scale = min(1.0, self.lend_scale + 0.1)
 
     # ---- path choice --------------------------------------------------------------------------------
-    def estimate_normal_s(self, q: PathQuery) -> float:
-        cached = q.input_tokens - q.normal_uncached_tokens
-        return (
-            q.normal_queue_wait_s
-            + self.cost.prefill_time_s(q.normal_uncached_tokens, cached_tokens=cached)
-            + self.cost.kv_transfer_time_s(q.input_tokens)
-        )
-
-    def _borrow_option(self, q: PathQuery, node_id: int, now_s: float) -> _BorrowOption | None:
-        """Best way to run ``q`` on ``node_id``'s lease, or ``None`` if the lease cannot hold it."""
-        lease = self.ledger.lease(node_id)
-        available = self.ledger.available(node_id, now_s)
-        if lease is None or available.tasks == 0 or available.prefill_tokens == 0:
-            return None
-        safe_tokens_per_s = lease.budgets.prefill_tokens / lease.ttl_s
-        local_cached = min(max(0, q.decode_cached_tokens.get(node_id, 0)), q.input_tokens)
-        queue_s = self.ledger.held(node_id).prefill_tokens / safe_tokens_per_s
-        best: _BorrowOption | None = None
-        # Either compute everything not cached locally, or pull the prefill worker's longer cached prefix.
-        pulls = [0]
-        if q.prefill_cached_tokens > local_cached:
-            pulls.append(min(q.prefill_cached_tokens, q.input_tokens) - local_cached)
-        for pull in pulls:
-            new_tokens = q.input_tokens - local_cached - pull
-            cached = local_cached + pull
-            prefill_s = max(
-                new_tokens / safe_tokens_per_s, self.cost.prefill_time_s(new_tokens, cached_tokens=cached)
-            )
-            transfer_s = self.cost.kv_transfer_time_s(pull) if pull else 0.0
-            demand = LeaseBudgets(
-                prefill_tokens=new_tokens,
-                kv_tokens=q.input_tokens + q.expected_output_tokens,
-                transfer_tokens=pull,
-                decode_tokens=q.expected_output_tokens,
-                tasks=1,
-            )
-            if not demand.fits_within(available):
-                continue
-            option = _BorrowOption(node_id, queue_s + prefill_s + transfer_s, demand)
-            if best is None or option.est_s < best.est_s:
-                best = option
-        return best
-
     def choose_path(self, q: PathQuery, now_s: float) -> PathDecision:
-        """Pick normal or borrow for ``q``; a borrow decision carries a reservation already made."""
+        """The path policy's choice for ``q``; a borrow decision carries a reservation already made."""
         with self._lock:
-            decision = self._choose(q, now_s)
-            self.records.append(
-                {
-                    "kind": "decision",
-                    "time_s": now_s,
-                    "request_id": q.request_id,
-                    "session_id": q.session_id,
-                    "path": decision.path,
-                    "node_id": decision.node_id,
-                    "reservation_id": decision.reservation_id,
-                    "est_normal_s": decision.est_normal_s,
-                    "est_borrow_s": decision.est_borrow_s,
-                    "input_tokens": q.input_tokens,
-                    "normal_uncached_tokens": q.normal_uncached_tokens,
-                    "normal_queue_wait_s": q.normal_queue_wait_s,
-                    "reason": decision.reason,
-                }
-            )
+            decision = self.path.choose(q, now_s, self.ledger)
+            self._record_decision("decision", q, decision, now_s)
             return decision
 
-    def _choose(self, q: PathQuery, now_s: float) -> PathDecision:
-        est_normal_s = self.estimate_normal_s(q)
-        if q.normal_queue_wait_s <= self.congestion_wait_s:
-            reason = f"not congested (queue wait {q.normal_queue_wait_s:.3f} s <= {self.congestion_wait_s} s)"
-            return PathDecision("normal", None, None, est_normal_s, None, reason)
-        options = [o for n in self.ledger.node_ids() if (o := self._borrow_option(q, n, now_s)) is not None]
-        if not options:
-            return PathDecision(
-                "normal", None, None, est_normal_s, None, "congested but no lease can hold it"
-            )
-        options.sort(key=lambda o: (o.est_s, o.node_id))
-        best_s = options[0].est_s
-        threshold_s = est_normal_s * (1.0 - self.borrow_margin)
-        if best_s > threshold_s:
-            reason = f"borrow {best_s:.3f} s does not beat normal {est_normal_s:.3f} s by the margin"
-            return PathDecision("normal", None, None, est_normal_s, best_s, reason)
-        for option in options:
-            if option.est_s > threshold_s:
-                break
-            res = self.ledger.reserve(option.node_id, option.demand, now_s)
-            if res is not None:
-                reason = (
-                    f"borrow on node {option.node_id}: {option.est_s:.3f} s vs normal {est_normal_s:.3f} s "
-                    f"(computes {option.demand.prefill_tokens} tokens, pulls {option.demand.transfer_tokens})"
-                )
-                return PathDecision(
-                    "borrow", option.node_id, res.reservation_id, est_normal_s, option.est_s, reason
-                )
-        return PathDecision(
-            "normal", None, None, est_normal_s, best_s, "reservation failed on every candidate"
+    @property
+    def uses_gateway_decode_pick(self) -> bool:
+        """Whether the path policy reads the gateway's decode pick (``PathQuery.normal_decode_worker``)."""
+        return self.path.uses_gateway_decode_pick
+
+    @property
+    def reconsiders_waiting(self) -> bool:
+        """Whether requests waiting on a prefill worker should be offered to ``reconsider_path``."""
+        return self.path.reconsiders_waiting
+
+    def reconsider_path(self, q: PathQuery, now_s: float) -> PathDecision | None:
+        """For a request still queued on its prefill worker: a ``local`` decision to move it, or ``None``."""
+        with self._lock:
+            decision = self.path.reconsider(q, now_s)
+            if decision is not None:
+                self._record_decision("reconsider", q, decision, now_s)
+            return decision
+
+    def local_chunk_tokens(self, node_id: int) -> int:
+        """Prefill tokens of unleased (``local``) requests one iteration of ``node_id`` may mix in."""
+        return self.path.local_chunk_tokens(node_id)
+
+    def _record_decision(self, kind: str, q: PathQuery, decision: PathDecision, now_s: float) -> None:
+        self.records.append(
+            {
+                "kind": kind,
+                "time_s": now_s,
+                "request_id": q.request_id,
+                "session_id": q.session_id,
+                "path": decision.path,
+                "node_id": decision.node_id,
+                "reservation_id": decision.reservation_id,
+                "est_normal_s": decision.est_normal_s,
+                "est_borrow_s": decision.est_borrow_s,
+                "input_tokens": q.input_tokens,
+                "normal_uncached_tokens": q.normal_uncached_tokens,
+                "normal_queue_wait_s": q.normal_queue_wait_s,
+                "code": decision.code.value,
+                "reason": decision.reason,
+            }
         )
 
     # ---- what a lending node reads ------------------------------------------------------------------

@@ -63,6 +63,8 @@ UNOBSERVED_METRICS: frozenset[str] = frozenset(
         "borrowed_share",
         "fallback_share",
         "borrowed_prefill_tokens",
+        "local_share",
+        "local_prefill_tokens",
         "lease_utilisation",
         "lease_granted_prefill_tokens",
         "n_rejected_context",

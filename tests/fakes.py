@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from envs.request import Request, Trace
 
 
@@ -39,6 +41,28 @@ class LinearCostModel:
             + self.per_decode_request_s * decode_batch
             + self.per_context_token_s * decode_context_tokens
         )
+
+    def iteration_times_s(
+        self,
+        prefill_tokens: np.ndarray,
+        prefill_attention_pairs: np.ndarray,
+        decode_batch: np.ndarray | int,
+        decode_context_tokens: np.ndarray | int,
+    ) -> np.ndarray:
+        """Vectorised ``iteration_time_s`` (attention pairs cost nothing in this model)."""
+        new, _, batch, ctx = np.broadcast_arrays(
+            np.asarray(prefill_tokens, dtype=np.float64),
+            np.asarray(prefill_attention_pairs, dtype=np.float64),
+            np.asarray(decode_batch, dtype=np.float64),
+            np.asarray(decode_context_tokens, dtype=np.float64),
+        )
+        total = (
+            self.base_s
+            + self.per_prefill_token_s * new
+            + self.per_decode_request_s * batch
+            + self.per_context_token_s * ctx
+        )
+        return np.where((new > 0) | (batch > 0), total, 0.0)
 
     def decode_step_time_s(self, batch: int, context_tokens: int) -> float:
         return self.iteration_time_s((), batch, context_tokens)

@@ -24,7 +24,7 @@ POINTS: dict[str, Point] = {
         trace="agent",
         max_requests=6,
         session_rate_per_s=0.02,
-        cluster_overrides=(("decode_prefix_cache", True),),
+        decode_prefix_cache=True,
     ),
     "static-azure-8P16D": Point(trace="azure-code", shape="8P16D", max_requests=600, load=4.0),
     "static-mooncake-round-robin": Point(

@@ -160,7 +160,7 @@ def test_an_unknown_name_is_reported_without_key_error_quotes(capsys: pytest.Cap
 
     assert main(["simulate", "--no-progress", "--max-requests", "2", "--policy", "fastest"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("crossflow simulate: error: unknown node policy 'fastest'"), err
+    assert err.startswith("crossflow simulate: error: unknown policy 'fastest'"), err
 
 
 def test_simulate_takes_an_interference_model_and_checks_it_matches(

@@ -197,7 +197,7 @@ def test_lending_happens_and_is_bounded_in_the_property_setup() -> None:
 
 
 def test_scheduler_estimates_with_the_clusters_own_numbers() -> None:
-    from policies.scheduler import PathQuery
+    from policies.path import PathQuery, normal_path_estimate_s
     from train.experiment import Point, build_scheduler
 
     point = Point(policy="heuristic")
@@ -210,7 +210,7 @@ def test_scheduler_estimates_with_the_clusters_own_numbers() -> None:
         scheduler = build_scheduler("heuristic", config, cm, predictor=ConstantPredictor(1000.0))
         assert scheduler.control_interval_s == config.control_interval_s
         assert scheduler.policy_for(0).itl_target_s == config.slo_tpot_s
-        return float(scheduler.estimate_normal_s(query))
+        return float(normal_path_estimate_s(scheduler.cost, query))
 
     slow_link = cfg.with_(kv_transfer_bandwidth_bytes_per_s=1e9, kv_transfer_latency_s=0.05)
     expected = cm.prefill_time_s(20_000, 0, cfg.prefill_chunk_tokens) + cm.kv_transfer_time_s(

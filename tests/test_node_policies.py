@@ -6,6 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from envs.cluster_config import ClusterConfig
+from envs.estimator import ClusterEstimator
+from policies.context import PolicyContext
 from policies.lease import LeaseBudgets
 from policies.node_policies import (
     HeuristicPolicy,
@@ -17,6 +20,7 @@ from policies.node_policies import (
     node_policy_names,
 )
 from policies.node_state import NodeState
+from tests.fakes import LinearCostModel
 
 
 class FakePredictor:
@@ -155,20 +159,30 @@ def test_heuristic_validates_configuration() -> None:
         HeuristicPolicy(object())  # type: ignore[arg-type]
 
 
-def test_registry_builds_by_name_and_accepts_plugins() -> None:
-    assert {"static", "utilisation", "heuristic", "rl"} <= set(node_policy_names())
-    heuristic = make_node_policy("heuristic", predictor=FakePredictor(), ttl_s=0.25)
-    assert isinstance(heuristic, HeuristicPolicy) and heuristic.ttl_s == 0.25
-    assert isinstance(make_node_policy("static"), StaticPolicy)
-    with pytest.raises(KeyError, match="unknown node policy 'no_such_policy'"):
-        make_node_policy("no_such_policy")
+def context(predictor: object | None = None) -> PolicyContext:
+    cfg = ClusterConfig(slo_tpot_s=0.04)
+    return PolicyContext(ClusterEstimator(cfg, LinearCostModel()), cfg, predictor)  # type: ignore[arg-type]
 
-    registry = NodePolicyRegistry()  # private: registrations must not leak into other tests
-    registry.register("always_one", lambda ttl_s=1.0: UtilisationPolicy(threshold=99.0, ttl_s=ttl_s))
-    assert registry.make("always_one", ttl_s=0.5).propose(state()).tasks == 2
+
+def test_registry_builds_by_name_from_one_context_and_accepts_plugins() -> None:
+    assert {"static", "utilisation", "heuristic", "rl"} <= set(node_policy_names())
+    heuristic = make_node_policy("heuristic", context(FakePredictor()), ttl_s=0.25)
+    assert isinstance(heuristic, HeuristicPolicy) and heuristic.ttl_s == 0.25
+    assert heuristic.itl_target_s == 0.04  # the cluster's TPOT SLO, from the context
+    assert isinstance(make_node_policy("static", context()), StaticPolicy)
+    with pytest.raises(KeyError, match="unknown node policy 'no_such_policy'"):
+        make_node_policy("no_such_policy", context())
+    with pytest.raises(ValueError, match="node policy 'heuristic' needs an interference-model predictor"):
+        make_node_policy("heuristic", context())  # declared need, checked before the factory runs
+    with pytest.raises(TypeError, match="node policy 'static'"):
+        make_node_policy("static", context(), no_such_field=1)
+
+    registry = NodePolicyRegistry("node policy")  # private: registrations must not leak into other tests
+    registry.register("always_one", lambda ctx, ttl_s=1.0: UtilisationPolicy(threshold=99.0, ttl_s=ttl_s))
+    assert registry.make("always_one", context(), ttl_s=0.5).propose(state()).tasks == 2
     with pytest.raises(ValueError, match="already registered"):
-        registry.register("always_one", StaticPolicy)
-    registry.register("always_one", StaticPolicy, replace=True)
-    assert registry.make("always_one").propose(state()).is_zero()
+        registry.register("always_one", lambda ctx: StaticPolicy())
+    registry.register("always_one", lambda ctx: StaticPolicy(), replace=True)
+    assert registry.make("always_one", context()).propose(state()).is_zero()
     with pytest.raises(ValueError, match="identifier"):
-        registry.register("not a name", StaticPolicy)
+        registry.register("not a name", lambda ctx: StaticPolicy())

@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from envs.cluster_config import ClusterConfig
+from envs.estimator import ClusterEstimator
+from policies.context import PolicyContext
 from policies.lease import LeaseBudgets
 from policies.node_policies import make_node_policy
 from policies.rl_policy import DEFAULT_ARTIFACT, FEATURES, RLPolicy, load_artifact, save_artifact
+from tests.fakes import LinearCostModel
 from tests.test_rl_env import FakePredictor, node_state, tiny_env
 from train.rl_train import export_weights
 
@@ -48,7 +52,10 @@ def test_numpy_forward_equals_torch_forward_after_save_and_load(ppo_and_norm: tu
 def test_make_node_policy_rl_loads_an_artifact(ppo_and_norm: tuple, tmp_path: Path) -> None:
     model, venv = ppo_and_norm
     path = save_artifact(tmp_path / "p.npz", export_weights(model, venv), {"lease_shape": {"ttl_s": 4.0}})
-    policy = make_node_policy("rl", predictor=FakePredictor(), artifact=path)
+    ctx = PolicyContext(
+        ClusterEstimator(ClusterConfig(), LinearCostModel()), ClusterConfig(), FakePredictor()
+    )
+    policy = make_node_policy("rl", ctx, artifact=path)
     assert isinstance(policy, RLPolicy) and policy.ttl_s == 4.0
     assert isinstance(policy.propose(node_state()), LeaseBudgets)
     assert policy.propose(node_state(queued_decode_requests=2)).is_zero()

@@ -101,7 +101,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cluster_overrides(args: argparse.Namespace) -> tuple[tuple[str, object], ...]:
-    """The ``ClusterConfig`` fields ``add_cluster_arguments`` set, as ``Point.cluster_overrides``."""
+    """The ``ClusterConfig`` fields ``add_cluster_arguments`` set, as ``Point.cluster_overrides`` (all but
+    ``--decode-prefix-cache``, which is ``Point.decode_prefix_cache``)."""
     from envs.cluster_config import ClusterConfig
 
     d = ClusterConfig()
@@ -109,7 +110,6 @@ def cluster_overrides(args: argparse.Namespace) -> tuple[tuple[str, object], ...
         "context_policy": args.context_policy,
         "prefill_routing": args.prefill_routing,
         "decode_routing": args.decode_routing,
-        "decode_prefix_cache": args.decode_prefix_cache,
     }
     return tuple((k, v) for k, v in chosen.items() if v != getattr(d, k))
 
@@ -131,6 +131,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         rate_curve=args.rate_curve,
         cluster_overrides=cluster_overrides(args),
+        decode_prefix_cache=args.decode_prefix_cache,
         **model_options(args),
     )
     from train.experiment import prepare_trace
@@ -176,9 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
     from train import compare as compare_cmd
-    from train import interference_cli, replay_cli
+    from train import interference_cli, replay_cli, tune
 
     compare_cmd.add_parser(sub)
+    tune.add_parser(sub)
     interference_cli.add_profile_parser(sub)
     interference_cli.add_fit_parser(sub)
     interference_cli.add_eval_parser(sub)

@@ -42,6 +42,7 @@ from envs.cluster_config import parse_shape
 from envs.hardware import Precision
 from envs.request import Trace
 from envs.splits import ALL, SIDES
+from policies.catalog import describe_params, policy_names, policy_spec
 from policies.slo import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
 from train import bound, report
 from train.experiment import (
@@ -90,7 +91,6 @@ FULL_SHAPES = ("2P4D", "4P2D", "1P5D")
 FULL_SUBSET = {"agent": 100, "mooncake": 4000, "mooncake-synthetic": 4000, "azure-code": 4000}
 """``--full``: the paper-style grid (2 models x 2 traces x 3 splits, both split sides, 5 seeds)."""
 
-NEEDS_PREDICTOR = ("heuristic", "rl")
 TIME_CAP_FACTOR, TIME_CAP_SLACK_S = 4.0, 3600.0
 """A lending simulation stops at ``FACTOR x`` the trace's arrival span at its load plus ``SLACK``
 (closed loop: the session-start span plus the longest session's think time): a request that can never
@@ -132,9 +132,15 @@ class GridSpec:
     gpus_needed: bool = True
     max_workers: int = DEFAULT_MAX_WORKERS
     """Largest cluster (workers) the GPUs-needed search tries."""
+    decode_prefix_cache: bool = False
+    """Decode workers keep a radix prefix cache, for every policy (``Point.decode_prefix_cache``)."""
 
     def model_options(self) -> dict[str, Any]:
         return model_options(self)
+
+    def point_options(self) -> dict[str, Any]:
+        """The ``Point`` fields every simulation of the grid shares beyond trace, model and shape."""
+        return {**model_options(self), "decode_prefix_cache": self.decode_prefix_cache}
 
     def subset(self, trace: str) -> int | None:
         if self.max_requests is not None:
@@ -146,7 +152,7 @@ class GridSpec:
 
     def simulated_policies(self) -> tuple[str, ...]:
         """Policies that are simulated as themselves (grid baselines are built from static runs)."""
-        return tuple(p for p in self.policies if p not in GRID_BASELINES)
+        return tuple(p for p in self.policies if not policy_spec(p).grid_level)
 
     def point(self, policy: str, combo: Combo, shape: str, load: float, seed: int) -> Point:
         return Point(
@@ -162,7 +168,7 @@ class GridSpec:
             open_loop_arrivals=self.open_loop_arrivals,
             slo_ttft_s=self.slo_ttft_s,
             slo_tpot_s=self.slo_tpot_s,
-            **self.model_options(),
+            **self.point_options(),
         )
 
 
@@ -282,7 +288,7 @@ def time_cap_s(point: Point, trace: Trace) -> float:
 
 
 def _predictor(point: Point, artifact_dir: str | None, injected: Any) -> Any:
-    if point.policy not in NEEDS_PREDICTOR:
+    if not policy_spec(point.policy).needs_predictor:
         return None
     if injected is not None:
         return injected
@@ -467,7 +473,7 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
         else (DATA_DIR / artifact_slug(spec.gpu, model, default_tp(model)))
     )
     if not (folder / "metadata.json").is_file():
-        needing = sorted(set(spec.policies) & set(NEEDS_PREDICTOR))
+        needing = [p for p in spec.policies if policy_spec(p).needs_predictor]
         raise FileNotFoundError(
             f"no interference-model artifact at {folder} (needed by {needing} "
             f"on {model}); pass --interference-model PATH or fit one with `crossflow fit-interference`"
@@ -597,7 +603,7 @@ def run_compare(
     try:
         seeds = spec.seed_list()
         artifacts: dict[str, str] = {}
-        if predictor is None and set(spec.policies) & set(NEEDS_PREDICTOR):
+        if predictor is None and any(policy_spec(p).needs_predictor for p in spec.policies):
             artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
 
         # 1. static capacity at SLO on every grid shape and seed: the saturation, the SLO rule per seed
@@ -653,6 +659,7 @@ def run_compare(
         "points": points,
         "failed": [r for r in [*static_caps, *done2, *done3] if r.get("error")],
     }
+    results["policy_params"] = describe_params([p for p in spec.policies if not policy_spec(p).passive])
     results["summary"] = report.summarise(results)
     results["targets"] = report.evaluate_targets(results)
     if use_wandb:
@@ -918,7 +925,7 @@ def _log_wandb(results: dict[str, Any], out: Path, artifacts: dict[str, str]) ->
                     "seeds": {str(r["seed"]): r["metrics"] for r in rows},
                 },
                 history=history,
-                artifact_dir=artifacts.get(model) if policy in NEEDS_PREDICTOR else None,
+                artifact_dir=artifacts.get(model) if policy_spec(policy).needs_predictor else None,
             )
         )
     t0 = time.perf_counter()
@@ -1043,6 +1050,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "sides, 5 seeds (explicit flags still override)",
     )
     p.add_argument(
+        "--decode-prefix-cache",
+        action="store_true",
+        help="decode workers keep a radix prefix cache, for every policy (as the shipped tuning did)",
+    )
+    p.add_argument(
         "--interference-model",
         default=None,
         metavar="DIR",
@@ -1078,6 +1090,7 @@ def spec_from_args(args: argparse.Namespace) -> GridSpec:
         seeds=args.seeds or (FULL_SEEDS if full else DEFAULT_SEEDS),
         splits=args.splits or (FULL_SPLITS if full else DEFAULT_SPLITS),
         full=full,
+        decode_prefix_cache=bool(args.decode_prefix_cache),
         interference_model=args.interference_model,
         slo_ttft_s=args.slo_ttft,
         slo_tpot_s=args.slo_tpot,
@@ -1091,12 +1104,11 @@ def spec_from_args(args: argparse.Namespace) -> GridSpec:
 def check_names(spec: GridSpec) -> None:
     """Fail before any simulation on an unknown policy, trace or model (naming the flag)."""
     from envs.traces import BUNDLED_TRACES
-    from policies.node_policies import node_policy_names
 
-    known = {"static", *node_policy_names(), *GRID_BASELINES}
+    known = policy_names()
     for policy in spec.policies:
         if policy not in known:
-            raise ValueError(f"--policies: unknown policy {policy!r}; known: {sorted(known)}")
+            raise ValueError(f"--policies: unknown policy {policy!r}; known: {', '.join(known)}")
     if "static" not in spec.policies:
         raise ValueError("--policies: must include static (every change is measured against it)")
     for trace in spec.traces:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +96,11 @@ class Point:
     dp_attention: int = 1
     """Data-parallel attention replicas per worker (MoE models)."""
     cluster_overrides: tuple[tuple[str, Any], ...] = ()
-    """``ClusterConfig`` fields set away from their defaults, e.g. ``(("decode_prefix_cache", True),)``."""
+    """Other ``ClusterConfig`` fields set away from their defaults, e.g. ``(("prefill_routing",
+    "round_robin"),)``."""
+    decode_prefix_cache: bool = False
+    """Decode workers keep a radix prefix cache (``ClusterConfig.decode_prefix_cache``; SGLang's
+    ``--disaggregation-decode-enable-radix-cache``), for every policy of the point."""
     split: str = ALL
     """Side of the development / held-out split (``envs.splits``): ``all``, ``dev`` or ``heldout``; taken
     before ``max_requests``."""
@@ -118,6 +123,8 @@ class Point:
             )
         if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0):
             raise ValueError(f"Point SLO must be positive, got {self.slo_ttft_s} s, {self.slo_tpot_s} s")
+        if any(name == "decode_prefix_cache" for name, _ in self.cluster_overrides):
+            raise ValueError("Point: set decode_prefix_cache as its own field, not in cluster_overrides")
 
     @property
     def resolved_tp(self) -> int:
@@ -131,6 +138,7 @@ class Point:
             tp=self.resolved_tp,
             slo_ttft_s=self.slo_ttft_s,
             slo_tpot_s=self.slo_tpot_s,
+            decode_prefix_cache=self.decode_prefix_cache,
             **dict(self.cluster_overrides),
         )
 
@@ -153,7 +161,8 @@ class Point:
         return "".join(parts)
 
     def deployment_suffix(self) -> str:
-        """``|dtype=fp8|ep=8`` for the precision/parallelism fields that differ from their defaults."""
+        """``|dtype=fp8|ep=8`` for the precision/parallelism fields that differ from their defaults
+        (and ``|decode_cache`` when decode workers keep a prefix cache)."""
         return "".join(
             f"|{k}={v}"
             for k, v in (
@@ -163,7 +172,9 @@ class Point:
                 ("dp", self.dp_attention),
             )
             if v not in (None, 1)
-        ) + "".join(f"|{k}={v}" for k, v in self.cluster_overrides)
+        ) + ("|decode_cache" if self.decode_prefix_cache else "") + "".join(
+            f"|{k}={v}" for k, v in self.cluster_overrides
+        )
 
     def cost_model(self) -> CostModel:
         """The cost model of one worker of this point (model, precision, parallelism)."""
@@ -206,28 +217,28 @@ def rate_curve(point: Point) -> tuple[Any, Any] | None:
     return load_servegen_curve(model, days=1, start_day=int(day) if day else 0)
 
 
-def build_scheduler(policy: str, config: ClusterConfig, cost_model: CostModel, **policy_kwargs: Any) -> Any:
-    """The cluster scheduler for ``policy`` (None for ``static``: every request takes the normal path)."""
-    if policy == "static":
-        return None
-    from policies.ledger import LeaseLedger
-    from policies.node_policies import make_node_policy
-    from policies.scheduler import ClusterScheduler
+def build_scheduler(
+    policy: str,
+    config: ClusterConfig,
+    cost_model: CostModel,
+    *,
+    predictor: Any = None,
+    params: Mapping[str, Any] | None = None,
+) -> Any:
+    """The cluster scheduler for catalog policy ``policy`` (``policies.catalog``; None for a passive one
+    such as ``static``: every request takes the normal path). ``params``: dotted policy parameters
+    (None: the shipped tuned values). The shipped interference model is loaded only for a policy that
+    declares it needs one, and only when ``predictor`` is not given."""
+    from policies.catalog import make_scheduler, policy_spec
+    from policies.context import PolicyContext
 
-    kwargs = dict(policy_kwargs)
-    if policy in ("heuristic", "rl") and "predictor" not in kwargs:
+    needs = policy_spec(policy).needs_predictor
+    if needs and predictor is None:
         from interference_model.artifact import default_predictor
 
-        kwargs["predictor"] = default_predictor(config.gpu, config.model, config.tp)
-    if policy in ("heuristic", "utilisation"):
-        kwargs.setdefault("itl_target_s", config.slo_tpot_s)
-    node_policy = make_node_policy(policy, **kwargs)
-    return ClusterScheduler(
-        node_policy,
-        LeaseLedger(),
-        ClusterEstimator(config, cost_model),
-        control_interval_s=config.control_interval_s,
-    )
+        predictor = default_predictor(config.gpu, config.model, config.tp)
+    ctx = PolicyContext(ClusterEstimator(config, cost_model), config, predictor if needs else None)
+    return make_scheduler(policy, ctx, params)
 
 
 def run_point(
@@ -237,17 +248,18 @@ def run_point(
     trace: Trace | None = None,
     predictor: Any = None,
     max_time_s: float = math.inf,
+    params: Mapping[str, Any] | None = None,
 ) -> SimResult:
-    """Simulate one point (deterministic in ``point``).
+    """Simulate one point (deterministic in ``point`` and ``params``).
 
     ``trace`` skips re-loading a prepared trace; ``predictor`` replaces the shipped interference model
-    for the policies that need one; ``max_time_s`` caps simulated time (unfinished requests stay so).
+    for the policies that need one; ``max_time_s`` caps simulated time (unfinished requests stay so);
+    ``params`` replaces the policy's shipped tuned values (``build_scheduler``).
     """
     trace = trace if trace is not None else prepare_trace(point)
     config = point.cluster()
     cost_model = point.cost_model()
-    kwargs = {"predictor": predictor} if predictor is not None and point.policy in ("heuristic", "rl") else {}
-    scheduler = build_scheduler(point.policy, config, cost_model, **kwargs)
+    scheduler = build_scheduler(point.policy, config, cost_model, predictor=predictor, params=params)
     return simulate(
         trace,
         config,

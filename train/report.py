@@ -834,7 +834,8 @@ def plot_latency_vs_load(rows: Sequence[Mapping[str, Any]], path: Path, title: s
         ax.set_ylabel(f"{name} ({unit})")
     for ax in axes[1]:
         ax.set_xlabel("load (x static saturation)")
-    axes[0][0].legend(fontsize=8)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{title}: latency regime (95 % intervals over seeds)")
     fig.tight_layout()
     path = _save(fig, path)
