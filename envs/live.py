@@ -1,0 +1,510 @@
+"""A live emulated PD cluster: one :class:`~envs.simulator.Simulator` advanced in scaled wall time.
+
+Requests are not read from a trace: they arrive while it runs (``submit``, ``submit_borrowed``),
+already placed on a prefill and a decode worker by a router outside it, and what the simulator
+produces is handed back as it happens (first token, every later token, the prefill worker's end of
+its KV transfer, the finish, a refusal). Nothing about batching, caching, admission or decoding is
+implemented here: the simulator's own workers and cost model do it, exactly as for a trace.
+
+* **Clock.** Emulated time is ``(wall - start) / time_scale``: an iteration the cost model times at
+  ``t`` seconds takes ``t x time_scale`` wall seconds. The driver (``run``) processes every event when
+  its wall time comes and sleeps until the next one; a request submitted in between is injected at the
+  current emulated instant. Decode iterations are simulated one event each
+  (``max_decode_jump_iters=1``, which gives bit-identical results to any jump cap), so every token is
+  delivered at its own iteration's end.
+* **Lag.** Each worker records, at every iteration end, how late the driver processed it
+  (wall time now minus the iteration's scheduled wall time). A lag beyond ``LAG_LIMIT_SHARE`` of a
+  run's wall duration means the host could not keep the emulation's schedule, so its figures are not
+  trustworthy (``lag_check``); a larger ``time_scale`` fixes it.
+* **Prefix identity.** A live request has token ids, not a trace parent. ``PrefixResolver`` hashes
+  them in chained pages of ``page_tokens`` and names the most recent earlier request that holds the
+  longest matched run as its ``parent_id`` (the trace loaders' rule for block hashes), so the
+  simulator's prefix caches see the sharing.
+
+All methods run on the event loop that runs ``run()`` (one thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from envs.cluster_config import ClusterConfig
+from envs.cost_model import CostModel
+from envs.request import Request, Trace
+from envs.sim_state import FALLBACK, DecodeWorker, PrefillWorker, ReqState
+from envs.simulator import SchedulerHooks, Simulator
+from envs.trace_formats import _prefix_fields, _PrefixIndex
+from policies.lease import LeaseBudgets
+
+LAG_LIMIT_SHARE = 0.05
+"""A run whose largest lag exceeds this share of its wall duration fails its lag check."""
+
+_LAG_BUCKETS_KEPT = 86_400
+"""Per-second lag buckets kept per worker (one day), for lag reports over a window."""
+
+
+class PrefixResolver:
+    """Token ids -> ``(parent_id, shared_prefix_tokens)`` against every request seen so far.
+
+    Pages of ``page_tokens`` ids are hashed in a chain (a page's hash covers its whole prefix), so
+    the longest run of leading pages already seen is found by binary search, and the most recent
+    request that held its last page shares all of it (``envs.trace_formats``' rule for block ids). A
+    trailing partial page is hashed too, so identical prompts share their whole length.
+    """
+
+    def __init__(self, page_tokens: int) -> None:
+        if page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
+        self.page_tokens = page_tokens
+        self._index = _PrefixIndex()
+        self._inputs: list[int] = []
+
+    def page_hashes(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        hashes: list[int] = []
+        digest = b""
+        for start in range(0, len(ids), self.page_tokens):
+            digest = hashlib.blake2b(
+                digest + ids[start : start + self.page_tokens].tobytes(), digest_size=8
+            ).digest()
+            hashes.append(int.from_bytes(digest, "little"))
+        return hashes
+
+    def resolve(self, page_hashes: Sequence[int], input_tokens: int) -> tuple[int, int]:
+        """``(parent_id, shared_prefix_tokens)`` of the next request; ``(-1, 0)`` when it shares nothing."""
+        return _prefix_fields(self._index, page_hashes, input_tokens, self._inputs, self.page_tokens)
+
+    def add(self, page_hashes: Sequence[int], request_id: int, input_tokens: int) -> None:
+        """Record request ``request_id`` (ids consecutive from 0)."""
+        if request_id != len(self._inputs):
+            raise ValueError(f"request_id must be {len(self._inputs)} (the next id), got {request_id}")
+        self._index.add(page_hashes, request_id)
+        self._inputs.append(input_tokens)
+
+
+@dataclass
+class LagStats:
+    """How late one worker's iterations were processed, in wall seconds."""
+
+    count: int = 0
+    sum_s: float = 0.0
+    max_s: float = 0.0
+    first_unix_s: float | None = None
+    last_unix_s: float | None = None
+    _by_second: OrderedDict[int, tuple[float, float, int]] = field(default_factory=OrderedDict, repr=False)
+    """Unix second -> (max, sum, count) of the lags recorded in it (the last day)."""
+
+    def record(self, lag_s: float, unix_s: float) -> None:
+        lag_s = max(0.0, lag_s)
+        self.count += 1
+        self.sum_s += lag_s
+        self.max_s = max(self.max_s, lag_s)
+        if self.first_unix_s is None:
+            self.first_unix_s = unix_s
+        self.last_unix_s = unix_s
+        second = int(unix_s)
+        hi, total, n = self._by_second.get(second, (0.0, 0.0, 0))
+        self._by_second[second] = (max(hi, lag_s), total + lag_s, n + 1)
+        if len(self._by_second) > _LAG_BUCKETS_KEPT:
+            self._by_second.popitem(last=False)
+
+    def report(self, since_unix_s: float | None = None) -> dict[str, Any]:
+        """``max_s``, ``mean_s`` and ``iterations`` since the start, or over the whole seconds from
+        ``since_unix_s`` on (the second that holds it included: never less than the truth)."""
+        if since_unix_s is None:
+            hi, total, n = self.max_s, self.sum_s, self.count
+        else:
+            hi, total, n = 0.0, 0.0, 0
+            first = int(since_unix_s)
+            for second, (b_hi, b_sum, b_n) in reversed(self._by_second.items()):
+                if second < first:
+                    break
+                hi, total, n = max(hi, b_hi), total + b_sum, n + b_n
+        return {
+            "max_s": hi,
+            "mean_s": total / n if n else 0.0,
+            "iterations": n,
+            "first_unix_s": self.first_unix_s,
+            "last_unix_s": self.last_unix_s,
+        }
+
+
+def lag_check(lag_max_s: float, duration_s: float) -> str | None:
+    """None when a run of ``duration_s`` wall seconds kept its schedule; else the reason it did not."""
+    if duration_s > 0 and lag_max_s > LAG_LIMIT_SHARE * duration_s:
+        return (
+            f"the emulation lagged {lag_max_s:.3f} s behind its schedule, more than "
+            f"{LAG_LIMIT_SHARE:.0%} of the {duration_s:.2f} s run: its timings are not trustworthy "
+            f"(use a larger --time-scale)"
+        )
+    return None
+
+
+class LiveRequest:
+    """One request in the live cluster, as its HTTP handlers see it (read after ``await changed()``)."""
+
+    def __init__(self, rid: int, request: Request, prefill_worker: int, decode_worker: int) -> None:
+        self.rid = rid
+        self.request = request
+        self.prefill_worker = prefill_worker
+        """-1 on the borrowed path."""
+        self.decode_worker = decode_worker
+        self.generated = 0
+        """Tokens produced so far (what the client may be sent)."""
+        self.finished = False
+        self.error: tuple[int, str] | None = None
+        """``(HTTP status, message)`` when the request was refused or failed."""
+        self.cached_tokens = 0
+        """Leading input tokens its prefill took from a prefix cache."""
+        self.kv_landed = asyncio.Event()
+        """Set when its KV reached the decode worker (the prefill worker's leg may answer)."""
+        self._changed = asyncio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.finished or self.error is not None
+
+    def notify(self) -> None:
+        self._changed.set()
+
+    async def changed(self) -> None:
+        """Wait until new tokens, the finish or an error arrived since the last call."""
+        await self._changed.wait()
+        self._changed.clear()
+
+
+def local_prefill_demand(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> LeaseBudgets:
+    """What a borrowed prefill of this size holds on its node's lease while it runs: its uncached
+    prefill, its KV (input and expected output), its expected decode work and one task slot (the
+    budgets ``ClusterScheduler`` reserves for a borrow without a pulled prefix)."""
+    return LeaseBudgets(
+        prefill_tokens=max(1, input_tokens - cached_tokens),
+        kv_tokens=input_tokens + output_tokens,
+        transfer_tokens=0,
+        decode_tokens=output_tokens,
+        tasks=1,
+    )
+
+
+class LiveCluster:
+    """The emulated cluster's one simulator, driven in scaled wall time (see the module docstring).
+
+    Args:
+        config: the cluster (``max_decode_jump_iters`` is set to 1; routing fields are unused: requests
+            arrive placed).
+        cost_model: iteration timing (default: ``config``'s GPU, model and TP).
+        scheduler: the decode nodes' lease scheduler (``policies.ClusterScheduler``); without one no
+            node lends, and a borrowed request is refused.
+        time_scale: wall seconds per emulated second.
+        stream_interval: deliver tokens every this many (SGLang ``--stream-interval``); the first and
+            the last are always delivered.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        cost_model: CostModel | None = None,
+        scheduler: SchedulerHooks | None = None,
+        time_scale: float = 1.0,
+        stream_interval: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if not (time_scale > 0 and math.isfinite(time_scale)):
+            raise ValueError(f"time_scale must be positive and finite, got {time_scale}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.config = config.with_(max_decode_jump_iters=1)
+        self.sim = Simulator(
+            Trace("live", [], source="requests received over HTTP"),
+            self.config,
+            scheduler=scheduler,
+            cost_model=cost_model,
+            seed=seed,
+        )
+        self.sim.listener = self
+        self.sim.open_ended = True
+        self.sim.refuse_fallbacks = True
+        self.cm = self.sim.cm
+        self.time_scale = time_scale
+        self.stream_interval = stream_interval
+        self.prefixes = PrefixResolver(self.config.page_tokens)
+        self.prefill_lag = [LagStats() for _ in range(self.config.n_prefill)]
+        self.decode_lag = [LagStats() for _ in range(self.config.n_decode)]
+        self._live: dict[int, LiveRequest] = {}
+        self._t0: float | None = None
+        self._wake: asyncio.Event | None = None
+
+    # ---------------------------------------------------------------- clock
+    @property
+    def started(self) -> bool:
+        return self._t0 is not None
+
+    def now_s(self) -> float:
+        """Emulated seconds since the cluster started."""
+        if self._t0 is None:
+            return 0.0
+        return (time.perf_counter() - self._t0) / self.time_scale
+
+    def _advance(self) -> None:
+        """Process every event due by now; the simulator's clock is then now."""
+        if self._t0 is not None:
+            self.sim.step_until(self.now_s())
+
+    async def run(self) -> None:
+        """Drive the simulator until cancelled (start it as a task on the serving event loop)."""
+        self._t0 = time.perf_counter()
+        self._wake = asyncio.Event()
+        while True:
+            self._advance()
+            t_next = self.sim.next_event_time_s()
+            if math.isinf(t_next):
+                await self._wake.wait()
+            else:
+                delay = self._t0 + t_next * self.time_scale - time.perf_counter()
+                if delay <= 0:
+                    await asyncio.sleep(0)  # let handlers run, then catch up
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+            self._wake.clear()
+
+    def _kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ---------------------------------------------------------------- intake
+    def context_error(self, input_tokens: int, output_tokens: int) -> str | None:
+        """SGLang's refusal for a request that does not fit the model's context (its messages), or a
+        worker's KV (the simulator's rule); None when it fits."""
+        window = self.config.context_window_tokens
+        if input_tokens >= window:
+            return (
+                f"The input ({input_tokens} tokens) is longer than the model's context length "
+                f"({window} tokens)."
+            )
+        if input_tokens + output_tokens > window:
+            return (
+                f"Requested token count exceeds the model's maximum context length of {window} tokens. "
+                f"You requested a total of {input_tokens + output_tokens} tokens: {input_tokens} tokens "
+                f"from the input messages and {output_tokens} tokens for the completion. Please reduce the "
+                f"number of tokens in the input messages or the completion to fit within the limit."
+            )
+        return self.sim.refusal_reason(input_tokens, output_tokens)
+
+    def _new_request(
+        self, token_ids: Sequence[int] | np.ndarray, output_tokens: int, session_id: int
+    ) -> Request:
+        rid = len(self.sim.reqs)
+        hashes = self.prefixes.page_hashes(token_ids)
+        parent, shared = self.prefixes.resolve(hashes, len(token_ids))
+        self.prefixes.add(hashes, rid, len(token_ids))
+        return Request(rid, session_id, 0, self.now_s(), len(token_ids), output_tokens, parent, shared)
+
+    def _check(self, token_ids: Sequence[int] | np.ndarray, output_tokens: int) -> None:
+        if self._t0 is None:
+            raise RuntimeError("the live cluster is not running (start run() first)")
+        if len(token_ids) < 1 or output_tokens < 1:
+            raise ValueError("a request needs at least one input token and one output token")
+
+    def submit(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        output_tokens: int,
+        *,
+        prefill_worker: int,
+        decode_worker: int,
+        session_id: int = -1,
+    ) -> LiveRequest:
+        """A request placed on ``prefill_worker`` and ``decode_worker`` (both legs of a PD dispatch
+        arrived) enters now. Check ``context_error`` first."""
+        self._check(token_ids, output_tokens)
+        self._advance()
+        request = self._new_request(token_ids, output_tokens, session_id)
+        live = LiveRequest(request.request_id, request, prefill_worker, decode_worker)
+        self._live[live.rid] = live
+        self.sim.inject(request, prefill_worker=prefill_worker, decode_worker=decode_worker)
+        self._kick()
+        return live
+
+    def reserve_borrowed(self, decode_worker: int, input_tokens: int, output_tokens: int) -> int | None:
+        """Reserve room for a local (borrowed) prefill on ``decode_worker``'s current lease; the
+        reservation id, or None when there is no lease or it cannot hold the request."""
+        ledger = getattr(self.sim.scheduler, "ledger", None)
+        if ledger is None:
+            return None
+        self._advance()
+        reservation = ledger.reserve(
+            decode_worker, local_prefill_demand(input_tokens, output_tokens), self.sim.now_s
+        )
+        return None if reservation is None else int(reservation.reservation_id)
+
+    def submit_borrowed(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        output_tokens: int,
+        *,
+        decode_worker: int,
+        reservation_id: int,
+        session_id: int = -1,
+    ) -> LiveRequest:
+        """A request prefilled on ``decode_worker`` itself under ``reservation_id`` enters now (the
+        simulator's borrowed path: paid from the node's lease token bucket, decode first)."""
+        self._check(token_ids, output_tokens)
+        self._advance()
+        request = self._new_request(token_ids, output_tokens, session_id)
+        live = LiveRequest(request.request_id, request, -1, decode_worker)
+        self._live[live.rid] = live
+        self.sim.inject(request, decode_worker=decode_worker, reservation_id=reservation_id)
+        self._kick()
+        return live
+
+    # ---------------------------------------------------------------- the simulator's listener
+    def _lag(self, stats: LagStats) -> None:
+        if self._t0 is None:
+            return
+        stats.record(time.perf_counter() - (self._t0 + self.sim.now_s * self.time_scale), time.time())
+
+    def _deliver(self, live: LiveRequest, generated: int) -> None:
+        if generated <= live.generated:
+            return
+        live.generated = generated
+        if generated == 1 or generated % self.stream_interval == 0 or generated >= live.request.output_tokens:
+            live.notify()
+
+    def on_first_token(self, req: ReqState) -> None:
+        live = self._live.get(req.rid)
+        if live is not None:
+            live.cached_tokens = req.cached
+            self._deliver(live, req.generated)
+
+    def on_decode_iteration(self, w: DecodeWorker) -> None:
+        self._lag(self.decode_lag[w.idx])
+        live = self._live
+        for req in w.running:
+            found = live.get(req.rid)
+            if found is not None and not req.needs_recompute:
+                self._deliver(found, req.generated)
+
+    def on_prefill_iteration(self, pw: PrefillWorker) -> None:
+        self._lag(self.prefill_lag[pw.idx])
+
+    def on_kv_landed(self, req: ReqState) -> None:
+        live = self._live.get(req.rid)
+        if live is not None:
+            live.cached_tokens = req.cached
+            live.kv_landed.set()
+
+    def on_finish(self, req: ReqState) -> None:
+        live = self._live.pop(req.rid, None)
+        if live is not None:
+            live.generated = req.generated
+            live.finished = True
+            live.kv_landed.set()
+            live.notify()
+
+    def on_reject(self, req: ReqState) -> None:
+        live = self._live.pop(req.rid, None)
+        if live is not None:
+            live.error = (503 if req.path == FALLBACK else 400, req.error)
+            live.kv_landed.set()
+            live.notify()
+
+    # ---------------------------------------------------------------- what the workers report
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished or refused."""
+        return len(self._live)
+
+    def lag_report(self, role: str, idx: int, since_unix_s: float | None = None) -> dict[str, Any]:
+        """One worker's lag (``LagStats.report``) plus ``check``: None, or why the run it covers did
+        not keep its schedule (its duration: from its first to its last recorded iteration)."""
+        stats = (self.prefill_lag if role == "prefill" else self.decode_lag)[idx]
+        report = stats.report(since_unix_s)
+        start = since_unix_s if since_unix_s is not None else report["first_unix_s"]
+        duration = (report["last_unix_s"] - start) if start is not None and report["last_unix_s"] else 0.0
+        report["duration_s"] = max(0.0, duration)
+        report["check"] = lag_check(report["max_s"], report["duration_s"])
+        return report
+
+    def prefill_load(self, idx: int) -> dict[str, Any]:
+        """SGLang's load snapshot fields of prefill worker ``idx`` (``/v1/loads``, ``/metrics``)."""
+        self._advance()
+        pw = self.sim.prefill[idx]
+        in_batch = {id(r) for r, _ in pw.batch}
+        bootstrapping = sum(1 for r in pw.queue if not r.bootstrapped)
+        waiting = sum(1 for r in pw.queue if r.bootstrapped and id(r) not in in_batch)
+        transferring = sum(
+            1
+            for live in self._live.values()
+            if live.prefill_worker == idx and not live.kv_landed.is_set() and self._prefill_done(live.rid)
+        )
+        held = sum(r.done for r in pw.queue if r.started)
+        capacity = self.cm.kv_capacity_tokens
+        return {
+            "num_running_reqs": len(pw.batch),
+            "num_waiting_reqs": waiting + bootstrapping,
+            "num_waiting_uncached_tokens": pw.queued_tokens,
+            "num_used_tokens": held,
+            "token_usage": round(held / capacity, 4),
+            "max_total_num_tokens": capacity,
+            "cache_hit_rate": 0.0,
+            "queues": {"waiting": waiting, "bootstrap": bootstrapping, "inflight": transferring},
+            "busy_s": pw.busy_s,
+        }
+
+    def _prefill_done(self, rid: int) -> bool:
+        req = self.sim.reqs[rid]
+        return req.started and req.done >= req.input and not req.has_kv
+
+    def decode_load(self, idx: int) -> dict[str, Any]:
+        """SGLang's load snapshot fields of decode worker ``idx`` (``/v1/loads``, ``/metrics``)."""
+        self._advance()
+        w = self.sim.decode[idx]  # one event per iteration: its state is current
+        transferring = sum(
+            1
+            for live in self._live.values()
+            if live.decode_worker == idx
+            and live.prefill_worker >= 0
+            and not live.kv_landed.is_set()
+            and self.sim.reqs[live.rid].bootstrapped
+        )
+        capacity = w.capacity_tokens
+        running = [r for r in w.running if not r.needs_recompute]
+        return {
+            "num_running_reqs": len(w.running),
+            "num_waiting_reqs": len(w.waiting) + len(w.prealloc) + transferring + len(w.retracted),
+            "num_used_tokens": w.kv_used,
+            "token_usage": round(w.kv_used / capacity, 4),
+            "max_total_num_tokens": capacity,
+            "decode_sum_seq_lens": sum(r.context for r in running),
+            "queues": {
+                "waiting": len(w.waiting),
+                "prealloc": len(w.prealloc),
+                "transfer": transferring,
+                "retracted": len(w.retracted),
+                "borrowed": len(w.borrowed),
+            },
+            "busy_s": w.busy_ns * 1e-9,
+        }
+
+
+__all__ = [
+    "LAG_LIMIT_SHARE",
+    "LagStats",
+    "LiveCluster",
+    "LiveRequest",
+    "PrefixResolver",
+    "lag_check",
+    "local_prefill_demand",
+]
