@@ -241,6 +241,8 @@ class LiveCluster:
         self.prefill_lag = [LagStats() for _ in range(self.config.n_prefill)]
         self.decode_lag = [LagStats() for _ in range(self.config.n_decode)]
         self._live: dict[int, LiveRequest] = {}
+        self._prefill_tokens = [0] * self.config.n_prefill
+        self._generated = [0] * self.config.n_decode
         self._t0: float | None = None
         self._wake: asyncio.Event | None = None
 
@@ -392,13 +394,19 @@ class LiveCluster:
     def on_decode_iteration(self, w: DecodeWorker) -> None:
         self._lag(self.decode_lag[w.idx])
         live = self._live
+        produced = 0
         for req in w.running:
+            if req.needs_recompute:
+                continue
+            produced += 1
             found = live.get(req.rid)
-            if found is not None and not req.needs_recompute:
+            if found is not None:
                 self._deliver(found, req.generated)
+        self._generated[w.idx] += produced
 
     def on_prefill_iteration(self, pw: PrefillWorker) -> None:
         self._lag(self.prefill_lag[pw.idx])
+        self._prefill_tokens[pw.idx] += sum(take for _, take in pw.batch)
 
     def on_kv_landed(self, req: ReqState) -> None:
         live = self._live.get(req.rid)
@@ -437,66 +445,135 @@ class LiveCluster:
         report["check"] = lag_check(report["max_s"], report["duration_s"])
         return report
 
-    def prefill_load(self, idx: int) -> dict[str, Any]:
-        """SGLang's load snapshot fields of prefill worker ``idx`` (``/v1/loads``, ``/metrics``)."""
+    def load(self, role: str, idx: int) -> WorkerLoad:
+        """What worker ``idx`` of ``role`` (``"prefill"`` or ``"decode"``) holds now, in the terms of
+        SGLang's load snapshot (``/v1/loads``): a prefill worker's requests wait for their decode
+        worker's pre-allocation (bootstrap), for the prefill, or for their KV transfer (in flight); a
+        decode worker's wait for KV room (pre-allocation), for their KV (transfer), for a running slot
+        (waiting) or to resume after a retraction."""
         self._advance()
-        pw = self.sim.prefill[idx]
-        in_batch = {id(r) for r, _ in pw.batch}
-        bootstrapping = sum(1 for r in pw.queue if not r.bootstrapped)
-        waiting = sum(1 for r in pw.queue if r.bootstrapped and id(r) not in in_batch)
-        transferring = sum(
-            1
-            for live in self._live.values()
-            if live.prefill_worker == idx and not live.kv_landed.is_set() and self._prefill_done(live.rid)
-        )
-        held = sum(r.done for r in pw.queue if r.started)
-        capacity = self.cm.kv_capacity_tokens
-        return {
-            "num_running_reqs": len(pw.batch),
-            "num_waiting_reqs": waiting + bootstrapping,
-            "num_waiting_uncached_tokens": pw.queued_tokens,
-            "num_used_tokens": held,
-            "token_usage": round(held / capacity, 4),
-            "max_total_num_tokens": capacity,
-            "cache_hit_rate": 0.0,
-            "queues": {"waiting": waiting, "bootstrap": bootstrapping, "inflight": transferring},
-            "busy_s": pw.busy_s,
-        }
-
-    def _prefill_done(self, rid: int) -> bool:
-        req = self.sim.reqs[rid]
-        return req.started and req.done >= req.input and not req.has_kv
-
-    def decode_load(self, idx: int) -> dict[str, Any]:
-        """SGLang's load snapshot fields of decode worker ``idx`` (``/v1/loads``, ``/metrics``)."""
-        self._advance()
+        if role == "prefill":
+            pw = self.sim.prefill[idx]
+            in_batch = {id(r) for r, _ in pw.batch}
+            queued = [r for r in pw.queue if id(r) not in in_batch]
+            waiting = [r for r in queued if r.bootstrapped]
+            bootstrap = [r for r in queued if not r.bootstrapped]
+            inflight = sum(
+                1 for live in self._live.values() if live.prefill_worker == idx and self._transferring(live)
+            )
+            return WorkerLoad(
+                role="prefill",
+                running=len(pw.batch),
+                waiting=len(waiting),
+                bootstrap=len(bootstrap),
+                inflight=inflight,
+                used_tokens=sum(r.done for r in pw.queue if r.started),
+                pending_tokens=sum(r.input for r in queued),
+                uncached_waiting_tokens=pw.queued_tokens,
+                capacity_tokens=self.cm.kv_capacity_tokens,
+                busy_s=pw.busy_s,
+                prefill_tokens_total=self._prefill_tokens[idx],
+            )
+        if role != "decode":
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         w = self.sim.decode[idx]  # one event per iteration: its state is current
-        transferring = sum(
-            1
+        transfer = [
+            self.sim.reqs[live.rid]
             for live in self._live.values()
             if live.decode_worker == idx
             and live.prefill_worker >= 0
             and not live.kv_landed.is_set()
             and self.sim.reqs[live.rid].bootstrapped
+        ]
+        return WorkerLoad(
+            role="decode",
+            running=len(w.running),
+            waiting=len(w.waiting),
+            prealloc=len(w.prealloc),
+            transfer=len(transfer),
+            retracted=len(w.retracted),
+            borrowed=len(w.borrowed),
+            used_tokens=w.kv_used,
+            pending_tokens=sum(r.input for r in w.prealloc) + w.retracted_tokens,
+            awaiting_kv_tokens=sum(r.input for r in w.prealloc) + sum(r.input for r in transfer),
+            capacity_tokens=w.capacity_tokens,
+            busy_s=w.busy_ns * 1e-9,
+            prefill_tokens_total=w.borrowed_tokens_total,
+            generated_tokens_total=self._generated[idx],
+            context_tokens=sum(r.context for r in w.running if not r.needs_recompute),
         )
-        capacity = w.capacity_tokens
-        running = [r for r in w.running if not r.needs_recompute]
-        return {
-            "num_running_reqs": len(w.running),
-            "num_waiting_reqs": len(w.waiting) + len(w.prealloc) + transferring + len(w.retracted),
-            "num_used_tokens": w.kv_used,
-            "token_usage": round(w.kv_used / capacity, 4),
-            "max_total_num_tokens": capacity,
-            "decode_sum_seq_lens": sum(r.context for r in running),
-            "queues": {
-                "waiting": len(w.waiting),
-                "prealloc": len(w.prealloc),
-                "transfer": transferring,
-                "retracted": len(w.retracted),
-                "borrowed": len(w.borrowed),
-            },
-            "busy_s": w.busy_ns * 1e-9,
-        }
+
+    def _transferring(self, live: LiveRequest) -> bool:
+        req = self.sim.reqs[live.rid]
+        return req.started and req.done >= req.input and not live.kv_landed.is_set()
+
+    def flush_cache(self, role: str, idx: int) -> bool:
+        """Empty worker ``idx``'s prefix cache (SGLang ``/flush_cache``); False (nothing done) while it
+        holds requests."""
+        self._advance()
+        if role == "prefill":
+            pw = self.sim.prefill[idx]
+            if pw.queue or pw.batch:
+                return False
+            cache = pw.cache
+        else:
+            w = self.sim.decode[idx]
+            if w.running or w.waiting or w.prealloc or w.retracted or w.borrowed:
+                return False
+            if w.cache is None:
+                return True
+            cache = w.cache
+        capacity = cache.capacity_pages
+        cache.evict_to(0)
+        cache.capacity_pages = capacity
+        return True
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One worker's queues and KV now (see ``LiveCluster.load``); counts of requests unless named."""
+
+    role: str
+    running: int
+    """In the iteration in flight (prefill) or the running batch (decode)."""
+    waiting: int
+    """SGLang's waiting queue: ready to run, not running."""
+    used_tokens: int
+    """KV allocated to requests."""
+    capacity_tokens: int
+    busy_s: float
+    """Emulated seconds spent iterating."""
+    prefill_tokens_total: int
+    """Prompt tokens computed here so far (a decode worker: borrowed prefill)."""
+    bootstrap: int = 0
+    """Prefill: waiting for the decode worker's pre-allocation."""
+    inflight: int = 0
+    """Prefill: computed, KV transfer not finished."""
+    prealloc: int = 0
+    """Decode: waiting for KV room."""
+    transfer: int = 0
+    """Decode: KV allocated, transfer not finished."""
+    retracted: int = 0
+    borrowed: int = 0
+    """Decode: borrowed prefills queued or running."""
+    pending_tokens: int = 0
+    """Tokens of queued requests that hold no KV here yet."""
+    awaiting_kv_tokens: int = 0
+    """Decode: input tokens whose KV has not arrived."""
+    uncached_waiting_tokens: int = 0
+    generated_tokens_total: int = 0
+    context_tokens: int = 0
+    """Decode: KV context the running batch reads."""
+
+    @property
+    def waiting_requests(self) -> int:
+        """SGLang's ``num_waiting_reqs``: every queue but the running one and the prefill's in-flight
+        transfers."""
+        return self.waiting + self.bootstrap + self.prealloc + self.transfer + self.retracted
+
+    @property
+    def token_usage(self) -> float:
+        return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
 
 
 __all__ = [
@@ -505,6 +582,7 @@ __all__ = [
     "LiveCluster",
     "LiveRequest",
     "PrefixResolver",
+    "WorkerLoad",
     "lag_check",
     "local_prefill_demand",
 ]

@@ -25,6 +25,10 @@ replay and a simulation of the same trace can be compared key by key.
 - **Emulated time.** When ``/server_info`` reports ``crossflow_time_scale`` (an emulated cluster whose
   iterations take cost-model time x scale), the schedule is stretched by the scale and every measured
   time is divided by it, so the figures are in the cluster's emulated time.
+- **Lag check.** When the workers report ``crossflow_lag`` (an emulated cluster), the replay asks
+  each one (directly, or those a gateway lists at ``/workers``) how late its iterations ran behind
+  their schedule during the replay; a lag beyond 5 % of the replay's wall duration fails the
+  replay's check (``ReplayResult.lag_failure``): the host could not keep the emulation's schedule.
 - **Bounds.** At most the requests of the given trace, and at most ``timeout_s`` of wall time; what is
   still running then is cancelled and counted as unfinished.
 
@@ -49,11 +53,16 @@ import numpy as np
 
 from envs.arrivals import poisson_session_starts, scale_load
 from envs.cluster_config import ClusterConfig
+from envs.live import lag_check
 from envs.metrics import RunMetrics, weighted_quantiles
 from envs.request import Request, Trace
 
 TIME_SCALE_KEY = "crossflow_time_scale"
 """``/server_info`` key of an emulated cluster's time scale (wall seconds per emulated second)."""
+LAG_KEY = "crossflow_lag"
+"""``/server_info`` key of an emulated worker's lag behind its schedule (``max_s``, ``mean_s``, ...)."""
+LAG_SINCE_PARAM = "crossflow_lag_since"
+"""``/server_info`` query parameter of an emulated worker: report its lag from this Unix time on."""
 
 METRIC_KEYS: tuple[str, ...] = tuple(f.name for f in fields(RunMetrics))
 """The metric names of a replay: exactly those of a simulation."""
@@ -216,6 +225,10 @@ class ReplayResult:
     records: list[RequestRecord]
     wall_s: float
     timed_out: bool
+    lag: list[dict[str, Any]] = field(default_factory=list)
+    """Each emulated worker's lag during the replay (``url`` plus its ``crossflow_lag`` report)."""
+    lag_failure: str | None = None
+    """Why the emulation did not keep its schedule during the replay, or None (also for real servers)."""
 
     def to_json_dict(self) -> dict[str, Any]:
         cfg = asdict(self.config)
@@ -229,6 +242,8 @@ class ReplayResult:
             "server_info": self.server_info,
             "wall_s": self.wall_s,
             "timed_out": self.timed_out,
+            "lag": self.lag,
+            "lag_failure": self.lag_failure,
             "metrics": self.metrics,
             "requests": [_record_json(r, self.time_scale) for r in self.records],
         }
@@ -405,6 +420,7 @@ class Replayer:
                 self.time_scale, source = reported, "server_info"
             else:
                 self.time_scale, source = 1.0, "default"
+            since_unix_s = time.time()
             self._t0 = time.perf_counter()
             timed_out = False
             try:
@@ -415,6 +431,7 @@ class Replayer:
             finally:
                 await self._cancel_all()
             wall_s = time.perf_counter() - self._t0
+            lag = await self._lag_reports(client, since_unix_s)
         metrics = replay_metrics(
             self.records,
             self.n_requests,
@@ -422,9 +439,41 @@ class Replayer:
             slo_ttft_s=cfg.slo_ttft_s,
             slo_tpot_s=cfg.slo_tpot_s,
         )
+        failures = [(r["max_s"], f"{r['url']}: {why}") for r in lag if (why := lag_check(r["max_s"], wall_s))]
         return ReplayResult(
-            self.trace.name, cfg, self.time_scale, source, info, metrics, self.records, wall_s, timed_out
+            self.trace.name,
+            cfg,
+            self.time_scale,
+            source,
+            info,
+            metrics,
+            self.records,
+            wall_s,
+            timed_out,
+            lag,
+            max(failures)[1] if failures else None,
         )
+
+    async def _lag_reports(self, client: httpx.AsyncClient, since_unix_s: float) -> list[dict[str, Any]]:
+        """The ``crossflow_lag`` reports since ``since_unix_s`` of the server, or of the workers a
+        gateway lists at ``/workers``; empty when nobody reports one."""
+        urls = await self._worker_urls(client) or [self.config.url]
+        params = f"?{LAG_SINCE_PARAM}={since_unix_s:.6f}"
+        answers = await asyncio.gather(*(_get_json(client, url, (f"/server_info{params}",)) for url in urls))
+        return [
+            {"url": url, **a[LAG_KEY]}
+            for url, a in zip(urls, answers, strict=True)
+            if isinstance(a, dict) and isinstance(a.get(LAG_KEY), dict) and "max_s" in a[LAG_KEY]
+        ]
+
+    async def _worker_urls(self, client: httpx.AsyncClient) -> list[str]:
+        """The worker URLs a gateway lists at ``/workers`` (smg, sglang-router); empty for a server."""
+        listing = await _get_json(client, self.config.url, ("/workers",))
+        return [
+            w["url"]
+            for w in (listing or {}).get("workers", [])
+            if isinstance(w, dict) and isinstance(w.get("url"), str)
+        ]
 
     async def _server_info(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
         """The server's ``/server_info`` (or ``/get_server_info``, which smg forwards to a worker). When
@@ -433,12 +482,7 @@ class Replayer:
         info = await _get_json(client, self.config.url, ("/server_info", "/get_server_info"), required=True)
         if find_time_scale(info) is not None:
             return info
-        listing = await _get_json(client, self.config.url, ("/workers",))
-        urls = [
-            w["url"]
-            for w in (listing or {}).get("workers", [])
-            if isinstance(w, dict) and isinstance(w.get("url"), str)
-        ]
+        urls = await self._worker_urls(client)
         if not urls:
             return info
         answers = await asyncio.gather(*(_get_json(client, url, ("/server_info",)) for url in urls))
