@@ -17,8 +17,10 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
-from serving.gateways import Gateway, GatewaySpec, missing_reason
+from envs.live import LiveCluster
+from serving.gateways import Gateway, missing_reason
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
 from serving.replay import ReplayConfig, replay
 from train.experiment import Point, prepare_trace, run_point
@@ -61,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(reason, file=sys.stderr)
         return 2
-    routing = args.simulated_routing or (ROUTING[args.gateway] if args.policy == "cache_aware" else args.policy)
+    routing = args.simulated_routing or (
+        ROUTING[args.gateway] if args.policy == "cache_aware" else args.policy
+    )
     overrides = (("prefill_routing", routing), ("decode_routing", routing))
     point = Point(
         trace=args.trace,
@@ -77,14 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.trace} first {args.max_requests}, {args.shape}, load {args.load:g}, static PD; simulate "
         f"({routing} routing) took {time.perf_counter() - t0:.1f} s"
     )
-    runs: list[tuple[dict[str, object], dict[str, object]]] = []
+    runs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for i in range(args.runs):
-        cluster = EmulatedCluster(point.cluster(), cost_model=point.cost_model(), time_scale=args.time_scale)
+        live = LiveCluster(point.cluster(), cost_model=point.cost_model(), time_scale=args.time_scale)
+        cluster = EmulatedCluster(live)
         with BackgroundCluster(cluster) as running:
-            prefill = tuple((w.url, w.bootstrap_port) for w in running.prefill)
-            spec = GatewaySpec(
-                args.gateway, prefill=prefill, decode=tuple(running.decode_urls), policy=args.policy
-            )
+            spec = running.gateway_spec(args.gateway, policy=args.policy)
             with Gateway(spec, stop_grace_s=1.0) as gateway:
                 result = replay(trace, ReplayConfig(url=gateway.url, load=args.load, timeout_s=3600))
             internal = running.live.sim.result().metrics.to_dict()
@@ -100,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     print(header + " | median vs simulate |")
     print("|" + "---|" * (3 + len(runs)))
     for key, label, unit, fmt in KEYS:
-        sim_v = float(simulated[key]) * unit  # type: ignore[arg-type]
+        sim_v = float(simulated[key]) * unit
         cells = []
         replayed = []
         for metrics, internal in runs:
-            value = float(metrics[key]) * unit  # type: ignore[arg-type]
+            value = float(metrics[key]) * unit
             replayed.append(value)
-            cells.append(f"{fmt.format(value)} ({fmt.format(float(internal[key]) * unit)})")  # type: ignore[arg-type]
+            cells.append(f"{fmt.format(value)} ({fmt.format(float(internal[key]) * unit)})")
         med = statistics.median(replayed)
         print(f"| {label:14} | {fmt.format(sim_v)} | " + " | ".join(cells) + f" | {med / sim_v - 1:+.1%} |")
     return 0

@@ -13,7 +13,8 @@ implemented here: the simulator's own workers and cost model do it, exactly as f
   (``max_decode_jump_iters=1``, which gives bit-identical results to any jump cap), so every token is
   delivered at its own iteration's end.
 * **Lag.** Each worker records, at every iteration end, how late the driver processed it
-  (wall time now minus the iteration's scheduled wall time). A lag beyond ``LAG_LIMIT_SHARE`` of a
+  (wall time now minus the iteration's scheduled wall time), and a 50 ms ticker records how late the
+  event loop wakes (HTTP handling and arrivals share that loop). A lag beyond ``LAG_LIMIT_SHARE`` of a
   run's wall duration means the host could not keep the emulation's schedule, so its figures are not
   trustworthy (``lag_check``); a larger ``time_scale`` fixes it.
 * **Prefix identity.** A live request has token ids, not a trace parent. ``PrefixResolver`` hashes
@@ -138,11 +139,12 @@ class LagStats:
         }
 
 
-def lag_check(lag_max_s: float, duration_s: float) -> str | None:
-    """None when a run of ``duration_s`` wall seconds kept its schedule; else the reason it did not."""
+def lag_check(lag_max_s: float, duration_s: float, who: str = "the emulation") -> str | None:
+    """None when a run of ``duration_s`` wall seconds kept its schedule; else the reason it did not
+    (``who`` lagged ``lag_max_s`` behind it)."""
     if duration_s > 0 and lag_max_s > LAG_LIMIT_SHARE * duration_s:
         return (
-            f"the emulation lagged {lag_max_s:.3f} s behind its schedule, more than "
+            f"{who} lagged {lag_max_s:.3f} s behind its schedule, more than "
             f"{LAG_LIMIT_SHARE:.0%} of the {duration_s:.2f} s run: its timings are not trustworthy "
             f"(use a larger --time-scale)"
         )
@@ -240,6 +242,8 @@ class LiveCluster:
         self.prefixes = PrefixResolver(self.config.page_tokens)
         self.prefill_lag = [LagStats() for _ in range(self.config.n_prefill)]
         self.decode_lag = [LagStats() for _ in range(self.config.n_decode)]
+        self.loop_lag = LagStats()
+        """The event loop's own delay (a 50 ms ticker), which every worker's HTTP side shares."""
         self._live: dict[int, LiveRequest] = {}
         self._prefill_tokens = [0] * self.config.n_prefill
         self._generated = [0] * self.config.n_decode
@@ -266,6 +270,22 @@ class LiveCluster:
         """Drive the simulator until cancelled (start it as a task on the serving event loop)."""
         self._t0 = time.perf_counter()
         self._wake = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_loop())
+        try:
+            await self._drive()
+        finally:
+            watcher.cancel()
+
+    async def _watch_loop(self, period_s: float = 0.05) -> None:
+        """Record how late the event loop wakes a ticker: a loop busy elsewhere (or a stalled host)
+        also delays the HTTP side, requests' arrivals included, even while no iteration is due."""
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(period_s)
+            self.loop_lag.record(time.perf_counter() - start - period_s, time.time())
+
+    async def _drive(self) -> None:
+        assert self._wake is not None and self._t0 is not None
         while True:
             self._advance()
             t_next = self.sim.next_event_time_s()
@@ -305,21 +325,6 @@ class LiveCluster:
             )
         return self.sim.refusal_reason(input_tokens, output_tokens)
 
-    def _new_request(
-        self, token_ids: Sequence[int] | np.ndarray, output_tokens: int, session_id: int
-    ) -> Request:
-        rid = len(self.sim.reqs)
-        hashes = self.prefixes.page_hashes(token_ids)
-        parent, shared = self.prefixes.resolve(hashes, len(token_ids))
-        self.prefixes.add(hashes, rid, len(token_ids))
-        return Request(rid, session_id, 0, self.now_s(), len(token_ids), output_tokens, parent, shared)
-
-    def _check(self, token_ids: Sequence[int] | np.ndarray, output_tokens: int) -> None:
-        if self._t0 is None:
-            raise RuntimeError("the live cluster is not running (start run() first)")
-        if len(token_ids) < 1 or output_tokens < 1:
-            raise ValueError("a request needs at least one input token and one output token")
-
     def submit(
         self,
         token_ids: Sequence[int] | np.ndarray,
@@ -331,14 +336,7 @@ class LiveCluster:
     ) -> LiveRequest:
         """A request placed on ``prefill_worker`` and ``decode_worker`` (both legs of a PD dispatch
         arrived) enters now. Check ``context_error`` first."""
-        self._check(token_ids, output_tokens)
-        self._advance()
-        request = self._new_request(token_ids, output_tokens, session_id)
-        live = LiveRequest(request.request_id, request, prefill_worker, decode_worker)
-        self._live[live.rid] = live
-        self.sim.inject(request, prefill_worker=prefill_worker, decode_worker=decode_worker)
-        self._kick()
-        return live
+        return self._enter(token_ids, output_tokens, session_id, decode_worker, prefill_worker=prefill_worker)
 
     def reserve_borrowed(self, decode_worker: int, input_tokens: int, output_tokens: int) -> int | None:
         """Reserve room for a local (borrowed) prefill on ``decode_worker``'s current lease; the
@@ -363,12 +361,33 @@ class LiveCluster:
     ) -> LiveRequest:
         """A request prefilled on ``decode_worker`` itself under ``reservation_id`` enters now (the
         simulator's borrowed path: paid from the node's lease token bucket, decode first)."""
-        self._check(token_ids, output_tokens)
+        return self._enter(token_ids, output_tokens, session_id, decode_worker, reservation_id=reservation_id)
+
+    def _enter(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        output_tokens: int,
+        session_id: int,
+        decode_worker: int,
+        *,
+        prefill_worker: int | None = None,
+        reservation_id: int | None = None,
+    ) -> LiveRequest:
+        if self._t0 is None:
+            raise RuntimeError("the live cluster is not running (start run() first)")
+        if len(token_ids) < 1 or output_tokens < 1:
+            raise ValueError("a request needs at least one input token and one output token")
         self._advance()
-        request = self._new_request(token_ids, output_tokens, session_id)
-        live = LiveRequest(request.request_id, request, -1, decode_worker)
-        self._live[live.rid] = live
-        self.sim.inject(request, decode_worker=decode_worker, reservation_id=reservation_id)
+        rid = len(self.sim.reqs)
+        hashes = self.prefixes.page_hashes(token_ids)
+        parent, shared = self.prefixes.resolve(hashes, len(token_ids))
+        request = Request(rid, session_id, 0, self.now_s(), len(token_ids), output_tokens, parent, shared)
+        live = LiveRequest(rid, request, -1 if prefill_worker is None else prefill_worker, decode_worker)
+        self.sim.inject(
+            request, decode_worker=decode_worker, prefill_worker=prefill_worker, reservation_id=reservation_id
+        )
+        self.prefixes.add(hashes, rid, len(token_ids))
+        self._live[rid] = live
         self._kick()
         return live
 
@@ -435,13 +454,20 @@ class LiveCluster:
         return len(self._live)
 
     def lag_report(self, role: str, idx: int, since_unix_s: float | None = None) -> dict[str, Any]:
-        """One worker's lag (``LagStats.report``) plus ``check``: None, or why the run it covers did
-        not keep its schedule (its duration: from its first to its last recorded iteration)."""
+        """One worker's lag since the start, or from ``since_unix_s`` on: ``max_s`` is the larger of
+        its iterations' lag (``iteration_max_s``, ``mean_s`` and ``iterations`` describe those) and
+        the event loop's (``loop_max_s``); ``duration_s`` is the wall time the window covers, and
+        ``check`` is None or why that run did not keep its schedule."""
         stats = (self.prefill_lag if role == "prefill" else self.decode_lag)[idx]
         report = stats.report(since_unix_s)
-        start = since_unix_s if since_unix_s is not None else report["first_unix_s"]
-        duration = (report["last_unix_s"] - start) if start is not None and report["last_unix_s"] else 0.0
-        report["duration_s"] = max(0.0, duration)
+        loop = self.loop_lag.report(since_unix_s)
+        report["iteration_max_s"] = report["max_s"]
+        report["loop_max_s"] = loop["max_s"]
+        report["max_s"] = max(report["max_s"], loop["max_s"])
+        firsts = [t for t in (report["first_unix_s"], loop["first_unix_s"]) if t is not None]
+        ends = [t for t in (report["last_unix_s"], loop["last_unix_s"]) if t is not None]
+        start = since_unix_s if since_unix_s is not None else min(firsts, default=None)
+        report["duration_s"] = max(0.0, max(ends) - start) if start is not None and ends else 0.0
         report["check"] = lag_check(report["max_s"], report["duration_s"])
         return report
 

@@ -33,7 +33,8 @@ The emulated model has no vocabulary and no end of sequence: every request gener
 (``crossflow replay`` reads it) and ``crossflow_lag`` (the worker's lag behind its schedule; with
 ``?crossflow_lag_since=UNIX_S``, over that window only).
 
-    with BackgroundCluster(EmulatedCluster(ClusterConfig(n_prefill=1, n_decode=2))) as cluster:
+    live = LiveCluster(ClusterConfig(n_prefill=1, n_decode=2), time_scale=2.0)
+    with BackgroundCluster(EmulatedCluster(live)) as cluster:
         print(cluster.prefill_urls, cluster.decode_urls)
 """
 
@@ -52,9 +53,9 @@ import httpx
 import numpy as np
 
 from envs.cluster_config import ClusterConfig
-from envs.cost_model import CostModel
 from envs.live import LiveCluster, LiveRequest, WorkerLoad, lag_check
-from envs.simulator import SchedulerHooks
+from policies.routing import CacheAwareConfig, OverloadProtection
+from serving.gateways import GatewayKind, GatewaySpec
 from serving.http import HttpError, HttpRequest, HttpServer, SseStream, send_json, send_text
 from serving.replay import LAG_KEY, LAG_SINCE_PARAM, TIME_SCALE_KEY
 
@@ -904,46 +905,48 @@ def _prometheus_loads(snapshot: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ cluster
+def gateway_timer_args(kind: str, time_scale: float) -> tuple[str, ...]:
+    """Gateway flags that stretch its periodic timers by ``time_scale``, so that in the emulated
+    cluster's time they fire as often as on a real one: smg's load monitor (whose polls feed its
+    overload protection and load-aware policies) and both gateways' cache-tree eviction. Their
+    defaults are the ones ``policies.routing`` models; the flags take whole seconds, so the stretch is
+    rounded."""
+    monitor_s = max(1, round(OverloadProtection().load_monitor_interval_s * time_scale))
+    eviction_s = max(1, round(CacheAwareConfig().eviction_interval_s * time_scale))
+    args: tuple[str, ...] = ("--eviction-interval-secs", str(eviction_s))
+    if kind == "smg":
+        args += ("--load-monitor-interval", str(monitor_s))
+    return args
+
+
 class EmulatedCluster:
-    """The workers of one emulated PD cluster and the ``LiveCluster`` they share (one event loop).
+    """The HTTP workers of one emulated PD cluster around the ``LiveCluster`` they share (one loop).
 
     Args:
-        config: cluster shape and serving settings (``ClusterConfig``; its routing fields are unused:
-            the gateway in front routes).
-        cost_model: iteration timing (default: ``config``'s GPU, model and TP).
-        scheduler: decode nodes' lease scheduler (``do_local_prefill`` needs one).
-        time_scale: wall seconds per emulated second.
+        live: the cluster's simulator in scaled wall time (shape, cost model, leases, time scale).
         host: every server binds it (loopback by default).
         port: 0 = free ports; else prefill workers listen on ``port, port+1, ...``, then the decode
             workers, then the prefill workers' bootstrap servers.
+        incremental_streaming_output: ``/generate`` streams only each event's new tokens (SGLang
+            ``--incremental-streaming-output``); by default every event holds the output so far.
         bootstrap_timeout_s: emulated seconds a leg waits for its partner (SGLang's 300 s).
+        served_model_name: the model name the workers report (default: the model's).
     """
 
     def __init__(
         self,
-        config: ClusterConfig,
+        live: LiveCluster,
         *,
-        cost_model: CostModel | None = None,
-        scheduler: SchedulerHooks | None = None,
-        time_scale: float = 1.0,
         host: str = "127.0.0.1",
         port: int = 0,
-        stream_interval: int = 1,
         incremental_streaming_output: bool = False,
         bootstrap_timeout_s: float = 300.0,
         served_model_name: str | None = None,
-        seed: int = 0,
     ) -> None:
         if not bootstrap_timeout_s > 0:
             raise ValueError(f"bootstrap_timeout_s must be > 0, got {bootstrap_timeout_s}")
-        self.live = LiveCluster(
-            config,
-            cost_model=cost_model,
-            scheduler=scheduler,
-            time_scale=time_scale,
-            stream_interval=stream_interval,
-            seed=seed,
-        )
+        self.live = live
+        config = live.config
         self.host = host
         self.incremental_streaming_output = incremental_streaming_output
         self.bootstrap_timeout_s = bootstrap_timeout_s
@@ -994,6 +997,14 @@ class EmulatedCluster:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
         await self.client.aclose()
+
+    def gateway_spec(self, kind: GatewayKind = "smg", **fields: Any) -> GatewaySpec:
+        """A real gateway in PD mode over these workers (each prefill worker with its bootstrap port),
+        its timers stretched by the time scale (``gateway_timer_args``); ``fields`` go to
+        ``GatewaySpec`` (``policy``, ``port``, ``extra_args`` appended after the timer flags)."""
+        extra = gateway_timer_args(kind, self.live.time_scale) + tuple(fields.pop("extra_args", ()))
+        prefill = tuple((w.url, w.bootstrap_port) for w in self.prefill)
+        return GatewaySpec(kind, prefill=prefill, decode=tuple(self.decode_urls), extra_args=extra, **fields)
 
     def model_info(self) -> dict[str, Any]:
         name = self.live.cm.model.name
@@ -1172,6 +1183,7 @@ __all__ = [
     "Generation",
     "PDWorker",
     "chat_prompt",
+    "gateway_timer_args",
     "parse_generation",
     "render_event",
     "text_token_ids",

@@ -29,6 +29,8 @@ replay and a simulation of the same trace can be compared key by key.
   each one (directly, or those a gateway lists at ``/workers``) how late its iterations ran behind
   their schedule during the replay; a lag beyond 5 % of the replay's wall duration fails the
   replay's check (``ReplayResult.lag_failure``): the host could not keep the emulation's schedule.
+  The replay's own event loop is watched too (``client_lag_s``): against an emulation in scaled time,
+  a client that falls that far behind fails the check as well (its stream timestamps are late).
 - **Bounds.** At most the requests of the given trace, and at most ``timeout_s`` of wall time; what is
   still running then is cancelled and counted as unfinished.
 
@@ -228,7 +230,10 @@ class ReplayResult:
     lag: list[dict[str, Any]] = field(default_factory=list)
     """Each emulated worker's lag during the replay (``url`` plus its ``crossflow_lag`` report)."""
     lag_failure: str | None = None
-    """Why the emulation did not keep its schedule during the replay, or None (also for real servers)."""
+    """Why the emulation (or, against an emulation, the replay client) did not keep its schedule
+    during the replay, or None (also for real servers)."""
+    client_lag_s: float = 0.0
+    """Largest delay of the replay's own event loop behind a 50 ms ticker (wall seconds)."""
 
     def to_json_dict(self) -> dict[str, Any]:
         cfg = asdict(self.config)
@@ -243,6 +248,7 @@ class ReplayResult:
             "wall_s": self.wall_s,
             "timed_out": self.timed_out,
             "lag": self.lag,
+            "client_lag_s": self.client_lag_s,
             "lag_failure": self.lag_failure,
             "metrics": self.metrics,
             "requests": [_record_json(r, self.time_scale) for r in self.records],
@@ -395,6 +401,7 @@ class Replayer:
         self.time_scale = 1.0
         self._t0 = 0.0
         self._n_sent = 0
+        self._client_lag_s = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._transport = transport
 
@@ -423,12 +430,14 @@ class Replayer:
             since_unix_s = time.time()
             self._t0 = time.perf_counter()
             timed_out = False
+            watcher = asyncio.create_task(self._watch_loop())
             try:
                 driver = self._run_closed(client) if self.trace.closed_loop else self._run_open(client)
                 await asyncio.wait_for(driver, timeout=cfg.timeout_s)
             except TimeoutError:
                 timed_out = True
             finally:
+                watcher.cancel()
                 await self._cancel_all()
             wall_s = time.perf_counter() - self._t0
             lag = await self._lag_reports(client, since_unix_s)
@@ -440,6 +449,9 @@ class Replayer:
             slo_tpot_s=cfg.slo_tpot_s,
         )
         failures = [(r["max_s"], f"{r['url']}: {why}") for r in lag if (why := lag_check(r["max_s"], wall_s))]
+        client_problem = lag_check(self._client_lag_s, wall_s, "the replay client")
+        if client_problem is not None and source != "default":  # only an emulation's clock is ours to keep
+            failures.append((self._client_lag_s, client_problem))
         return ReplayResult(
             self.trace.name,
             cfg,
@@ -452,7 +464,15 @@ class Replayer:
             timed_out,
             lag,
             max(failures)[1] if failures else None,
+            self._client_lag_s,
         )
+
+    async def _watch_loop(self, period_s: float = 0.05) -> None:
+        """Record how late this event loop wakes a ticker (a busy client reads streams late)."""
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(period_s)
+            self._client_lag_s = max(self._client_lag_s, time.perf_counter() - start - period_s)
 
     async def _lag_reports(self, client: httpx.AsyncClient, since_unix_s: float) -> list[dict[str, Any]]:
         """The ``crossflow_lag`` reports since ``since_unix_s`` of the server, or of the workers a

@@ -24,10 +24,11 @@ pytest.importorskip("httpx")
 
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
+from envs.live import LiveCluster
 from envs.request import Request, Trace
 from envs.sim_state import NORMAL
 from envs.traces import save_bundle
-from serving.gateways import Gateway, GatewaySpec, missing_reason
+from serving.gateways import Gateway, missing_reason
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
 from serving.replay import ReplayConfig, replay
 from train.experiment import Point, prepare_trace, run_point
@@ -41,14 +42,9 @@ def _skip_if_missing(kind: str) -> None:
         pytest.skip(reason)
 
 
-def _pd_spec(kind: str, cluster: EmulatedCluster, **kwargs: object) -> GatewaySpec:
-    prefill = tuple((w.url, w.bootstrap_port) for w in cluster.prefill)
-    return GatewaySpec(kind, prefill=prefill, decode=tuple(cluster.decode_urls), **kwargs)  # type: ignore[arg-type]
-
-
 @contextlib.contextmanager
 def _pd_gateway(kind: str, cluster: EmulatedCluster) -> Iterator[Gateway]:
-    gateway = Gateway(_pd_spec(kind, cluster), stop_grace_s=1.0)  # smg drains for 5 s on SIGTERM
+    gateway = Gateway(cluster.gateway_spec(kind), stop_grace_s=1.0)  # smg drains for 5 s on SIGTERM
     with gateway:
         yield gateway
     assert gateway.process is not None and gateway.process.returncode is not None, "stopped by pid"
@@ -69,7 +65,9 @@ def test_smg_pd_mode_routes_a_replay_with_sglangs_ttft() -> None:
     scale = 4.0
     cm = CostModel(*MODEL)
     trace = _trace(8, 0.15, 4000, 60)
-    emulated = EmulatedCluster(ClusterConfig(n_prefill=2, n_decode=2), cost_model=cm, time_scale=scale)
+    emulated = EmulatedCluster(
+        LiveCluster(ClusterConfig(n_prefill=2, n_decode=2), cost_model=cm, time_scale=scale)
+    )
     with BackgroundCluster(emulated) as cluster, _pd_gateway("smg", cluster) as gateway:
         result = replay(trace, ReplayConfig(url=gateway.url, timeout_s=120))
     assert all(_port_closed(w.url) for w in cluster.workers), "the workers are gone once stopped"
@@ -95,9 +93,8 @@ def test_smg_pd_mode_routes_a_replay_with_sglangs_ttft() -> None:
 def test_sglang_router_pd_mode_routes_a_replay_with_its_tokenizer_fetch_blocked() -> None:
     _skip_if_missing("sglang-router")
     trace = _trace(4, 0.1, 1500, 20)
-    emulated = EmulatedCluster(
-        ClusterConfig(n_prefill=1, n_decode=2), cost_model=CostModel(*MODEL), time_scale=4.0
-    )
+    live = LiveCluster(ClusterConfig(n_prefill=1, n_decode=2), cost_model=CostModel(*MODEL), time_scale=4.0)
+    emulated = EmulatedCluster(live)
     with BackgroundCluster(emulated) as cluster, _pd_gateway("sglang-router", cluster) as gateway:
         result = replay(trace, ReplayConfig(url=gateway.url, timeout_s=120))
         log = gateway.log_tail(400)
@@ -115,9 +112,8 @@ def test_replay_fails_its_lag_check_when_the_emulation_falls_behind(
 
     bundle = tmp_path / "steady.csv.gz"
     save_bundle(_trace(6, 0.3, 800, 40), bundle)
-    emulated = EmulatedCluster(
-        ClusterConfig(n_prefill=1, n_decode=1), cost_model=CostModel(*MODEL), time_scale=2.0
-    )
+    live = LiveCluster(ClusterConfig(n_prefill=1, n_decode=1), cost_model=CostModel(*MODEL), time_scale=2.0)
+    emulated = EmulatedCluster(live)
     runner = BackgroundCluster(emulated)
     with runner as cluster, _pd_gateway("smg", cluster) as gateway:
         # the host stalls the emulation's event loop for 0.8 s in the middle of a ~4 s replay
@@ -204,9 +200,9 @@ def test_emulated_cluster_behind_smg_agrees_with_simulate() -> None:
     trace = prepare_trace(point)
     run = run_point(point, trace=trace)  # what crossflow simulate computes
     simulated = run.metrics
-    emulated = EmulatedCluster(point.cluster(), cost_model=point.cost_model(), time_scale=2.0)
+    emulated = EmulatedCluster(LiveCluster(point.cluster(), cost_model=point.cost_model(), time_scale=2.0))
     with BackgroundCluster(emulated) as cluster:
-        spec = _pd_spec("smg", cluster, policy="round_robin")
+        spec = cluster.gateway_spec("smg", policy="round_robin")
         with Gateway(spec, stop_grace_s=1.0) as gateway:
             result = replay(trace, ReplayConfig(url=gateway.url, timeout_s=300))
     m = result.metrics

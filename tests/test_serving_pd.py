@@ -17,6 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from envs.cluster_config import ClusterConfig  # noqa: E402
 from envs.cost_model import CostModel  # noqa: E402
+from envs.live import LiveCluster  # noqa: E402
 from serving.http import HttpServer  # noqa: E402
 from serving.pd_cluster import (  # noqa: E402
     BackgroundCluster,
@@ -32,10 +33,14 @@ MODEL = ("H200", "gpt-oss-120b", 1)
 SCALE = 4.0
 
 
+def _live(config: ClusterConfig, **kwargs: Any) -> LiveCluster:
+    return LiveCluster(config, cost_model=CostModel(*MODEL), time_scale=SCALE, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[EmulatedCluster]:
     config = ClusterConfig(n_prefill=2, n_decode=1)
-    with BackgroundCluster(EmulatedCluster(config, cost_model=CostModel(*MODEL), time_scale=SCALE)) as c:
+    with BackgroundCluster(EmulatedCluster(_live(config))) as c:
         yield c
 
 
@@ -247,9 +252,7 @@ def test_sglang_refusals(cluster: EmulatedCluster) -> None:
 
 def test_legs_that_never_meet_are_aborted_after_the_bootstrap_timeout() -> None:
     config = ClusterConfig(n_prefill=2, n_decode=1)
-    emulated = EmulatedCluster(
-        config, cost_model=CostModel(*MODEL), time_scale=SCALE, bootstrap_timeout_s=0.1
-    )
+    emulated = EmulatedCluster(_live(config), bootstrap_timeout_s=0.1)
     with BackgroundCluster(emulated) as c:
         # the decode leg's bootstrap names prefill 0, but the prefill leg went to prefill 1: no meeting
         p_body, _ = _legs(c, room=21, prefill=1, input_ids=[3] * 100, stream=True)
@@ -280,7 +283,7 @@ def test_do_local_prefill_runs_on_the_nodes_lease_or_is_refused_with_503() -> No
     config = ClusterConfig(n_prefill=1, n_decode=1)
     body = {"input_ids": list(range(100, 1100)), "sampling_params": {"max_new_tokens": 8}, "stream": True}
     with (
-        BackgroundCluster(EmulatedCluster(config, cost_model=cm, time_scale=SCALE)) as static,
+        BackgroundCluster(EmulatedCluster(_live(config))) as static,
         _client() as c,
     ):
         refused = _events(
@@ -291,7 +294,7 @@ def test_do_local_prefill_runs_on_the_nodes_lease_or_is_refused_with_503() -> No
         assert refused[0]["meta_info"]["completion_tokens"] == 0
     config = config.with_(control_interval_s=0.1)  # leases within a fraction of a second
     scheduler = build_scheduler("utilisation", config, cm)
-    leased = EmulatedCluster(config, cost_model=cm, scheduler=scheduler, time_scale=SCALE)
+    leased = EmulatedCluster(_live(config, scheduler=scheduler))
     with BackgroundCluster(leased) as lender, _client() as c:
         # a normal request keeps the node busy, so control ticks publish its lease
         p_body, d_body = _legs(lender, room=31, input_ids=[9] * 500, sampling_params={"max_new_tokens": 150})
@@ -368,7 +371,7 @@ def test_loads_and_metrics_follow_sglangs_names(cluster: EmulatedCluster) -> Non
 
 def test_loads_count_sglangs_queues_while_requests_wait() -> None:
     config = ClusterConfig(n_prefill=1, n_decode=1)
-    with BackgroundCluster(EmulatedCluster(config, cost_model=CostModel(*MODEL), time_scale=SCALE)) as c:
+    with BackgroundCluster(EmulatedCluster(_live(config))) as c:
         p_body, d_body = _legs(c, room=41, input_ids=[4] * 24_000, sampling_params={"max_new_tokens": 2})
 
         async def run() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -395,7 +398,7 @@ def test_flush_cache_and_text_prompts() -> None:
         parse_generation("chat", {"messages": []}, "m", 32000)
     config = ClusterConfig(n_prefill=1, n_decode=1)
     with (
-        BackgroundCluster(EmulatedCluster(config, cost_model=CostModel(*MODEL), time_scale=SCALE)) as c,
+        BackgroundCluster(EmulatedCluster(_live(config))) as c,
         _client() as h,
     ):
         body = {"input_ids": list(range(100, 2148)), "sampling_params": {"max_new_tokens": 2}}
@@ -423,3 +426,40 @@ def test_http_server_answers_malformed_requests() -> None:
         return answer
 
     assert asyncio.run(run()).startswith(b"HTTP/1.1 400 ")
+
+
+def test_a_replay_client_that_falls_behind_fails_the_lag_check() -> None:
+    """Against an emulation, a replay whose own event loop stalls (here: a blocking transport) reports
+    it and fails its check; against a server in wall time it only reports it."""
+    from envs.request import Request, Trace
+    from serving.replay import ReplayConfig, Replayer
+
+    def stream(tokens: int) -> bytes:
+        events = [
+            {"text": "x", "meta_info": {"completion_tokens": k, "finish_reason": None}}
+            for k in range(1, tokens + 1)
+        ]
+        return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+    def make_handler(scale: float | None) -> Any:
+        def handler(request: Any) -> Any:
+            if request.url.path in ("/server_info", "/get_server_info"):
+                return httpx.Response(200, json={TIME_SCALE_KEY: scale} if scale else {})
+            if request.url.path == "/generate":
+                time.sleep(0.25)  # a sync handler blocks the client's loop
+                return httpx.Response(200, content=stream(3))
+            return httpx.Response(404)
+
+        return handler
+
+    trace = Trace("t", [Request(i, -1, 0, 0.05 * i, 10, 3) for i in range(4)])
+    for scale in (2.0, None):
+        replayer = Replayer(
+            trace, ReplayConfig(url="http://127.0.0.1:1"), transport=httpx.MockTransport(make_handler(scale))
+        )
+        result = asyncio.run(replayer.run())
+        assert result.metrics["n_finished"] == 4 and result.client_lag_s >= 0.2
+        if scale is not None:
+            assert result.lag_failure is not None and "the replay client lagged" in result.lag_failure
+        else:
+            assert result.lag_failure is None

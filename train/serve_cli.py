@@ -90,6 +90,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _build(args: argparse.Namespace) -> Any:
     from envs.cluster_config import parse_shape
+    from envs.live import LiveCluster
     from serving.pd_cluster import EmulatedCluster
     from train.cli import cluster_overrides
     from train.experiment import Point, build_scheduler, default_tp
@@ -110,20 +111,20 @@ def _build(args: argparse.Namespace) -> Any:
     scheduler = build_scheduler(args.policy, config, cost_model)
     with_router = args.router != "none"
     first = args.port + 1 if (with_router and args.port) else args.port
-    cluster = EmulatedCluster(
+    live = LiveCluster(
         config,
         cost_model=cost_model,
         scheduler=scheduler,
         time_scale=args.time_scale,
-        port=first,
         stream_interval=args.stream_interval,
         seed=args.seed,
     )
+    cluster = EmulatedCluster(live, port=first)
     return point, cluster
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from serving.gateways import Gateway, GatewaySpec, missing_reason
+    from serving.gateways import Gateway, missing_reason
     from serving.pd_cluster import BackgroundCluster
 
     _check(args)
@@ -150,13 +151,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                 extra = f"  bootstrap port {w.bootstrap_port}" if w.bootstrap_port is not None else ""
                 print(f"  {w.name:<10} {w.url}{extra}", flush=True)
             if args.router == "smg":
-                spec = GatewaySpec(
-                    "smg",
-                    prefill=tuple((w.url, w.bootstrap_port) for w in running.prefill),
-                    decode=tuple(running.decode_urls),
-                    policy=args.router_policy,
-                    port=args.port,
-                )
+                spec = running.gateway_spec("smg", policy=args.router_policy, port=args.port)
                 gateway = Gateway(spec, stop_grace_s=10.0)
                 gateway.start()
                 print(f"  router     {gateway.url}  (smg 1.13.0, PD mode, pid {gateway.pid})", flush=True)
