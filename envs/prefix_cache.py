@@ -38,6 +38,20 @@ class PrefixIndex:
         self._memo: dict[int, tuple[Segment, ...]] = {}
         self._memo_size = memo_size
 
+    def add(self, request: Request) -> None:
+        """Index one more request (a live cluster's arrivals): its id must be the next one, and its
+        parent an earlier request."""
+        rid = len(self._parent)
+        if request.request_id != rid:
+            raise ValueError(
+                f"PrefixIndex.add: request_id must be {rid} (the next id), got {request.request_id}"
+            )
+        if request.parent_id >= rid:
+            raise ValueError(f"PrefixIndex.add: parent_id {request.parent_id} is not an earlier request")
+        self._parent.append(request.parent_id)
+        self._shared_pages.append(request.shared_prefix_tokens // self.page_tokens)
+        self._pages.append(request.input_tokens // self.page_tokens)
+
     def pages(self, request_id: int) -> int:
         """Whole input pages of the request (a trailing partial page is never cached)."""
         return self._pages[request_id]

@@ -61,7 +61,7 @@ from envs.estimator import ClusterEstimator
 from envs.itl import to_ns
 from envs.metrics import SimResult, build_result
 from envs.prefix_cache import PrefixCache, PrefixIndex, match_in_pool, pool_caches
-from envs.request import Trace
+from envs.request import Request, Trace
 from envs.sim_state import (
     BORROWED,
     FALLBACK,
@@ -124,6 +124,34 @@ class SchedulerHooks(Protocol):
     def reconsiders_waiting(self) -> bool: ...
 
     def reconsider_path(self, query: Any, now_s: float) -> Any: ...
+
+
+class SimListener(Protocol):
+    """Told what the simulation produces, as it happens (``envs.live`` streams it to HTTP clients).
+
+    Called with the simulation clock at the moment of the event; a listener only reads the state it is
+    given and never calls back into the simulator."""
+
+    def on_first_token(self, req: ReqState) -> None:
+        """``req`` produced its first token (KV arrived and it joined a decode batch, or its borrowed
+        prefill finished)."""
+
+    def on_decode_iteration(self, w: DecodeWorker) -> None:
+        """``w`` finished an iteration: every request in ``w.running`` that is not recomputing gained a
+        token (called before the requests that just finished are removed)."""
+
+    def on_prefill_iteration(self, pw: PrefillWorker) -> None:
+        """``pw`` finished a prefill iteration (its chunks are in ``pw.batch``)."""
+
+    def on_kv_landed(self, req: ReqState) -> None:
+        """``req``'s KV finished its transfer to its decode worker: the prefill worker is done with it."""
+
+    def on_finish(self, req: ReqState) -> None:
+        """``req`` produced its last token."""
+
+    def on_reject(self, req: ReqState) -> None:
+        """``req`` was refused (``req.error`` says why; ``req.path == FALLBACK`` when a borrowed request
+        could not start and ``refuse_fallbacks`` is set)."""
 
 
 class Simulator:
@@ -195,6 +223,14 @@ class Simulator:
         self._tick_pending = False
         self._kv_load = RouterKvLoad(self.decode, self._sync)
         self._kv_load_s = -math.inf
+        self.listener: SimListener | None = None
+        """Told about tokens, transfers and finishes as they happen (``envs.live``); None for a trace."""
+        self.open_ended = False
+        """Requests may still be injected (``inject``): events are processed even when every request so
+        far has finished."""
+        self.refuse_fallbacks = False
+        """A borrowed request that cannot start on its node is refused (the client's router sends it
+        again on the normal path, as with SGLang's ``do_local_prefill``) instead of re-dispatched here."""
         self._schedule_arrivals(load_factor, session_rate_per_s, session_rate_curve)
 
     # ---------------------------------------------------------------- events
@@ -244,7 +280,7 @@ class Simulator:
         events = self._events
         n = len(self.reqs)
         last_reported = self.finished
-        while events and self.finished < n:
+        while events and (self.finished < n or self.open_ended):
             t = events[0][0]
             if t > t_end_s or t > self.max_time_s:
                 self.now_s = min(t_end_s, self.max_time_s)
@@ -279,6 +315,63 @@ class Simulator:
     def done(self) -> bool:
         return self.finished >= len(self.reqs) or not self._events
 
+    def next_event_time_s(self) -> float:
+        """When the next pending event happens (``inf`` when none is pending)."""
+        return self._events[0][0] if self._events else math.inf
+
+    def inject(
+        self,
+        request: Request,
+        *,
+        decode_worker: int,
+        prefill_worker: int | None = None,
+        reservation_id: int | None = None,
+    ) -> ReqState:
+        """Add a request that arrives now, already placed by a router outside the simulator.
+
+        Normal path (``prefill_worker`` given): dual dispatch to that prefill worker and
+        ``decode_worker``, exactly as a routed trace request. Borrowed path (``reservation_id`` given,
+        needs a scheduler): prefilled on ``decode_worker`` under that reservation. ``request.request_id``
+        must be the next id (``len(self.reqs)``); its prefix identity refers to earlier requests. The
+        caller checks that the request fits the model and the KV (``refusal_reason``)."""
+        rid = len(self.reqs)
+        if request.request_id != rid:
+            raise ValueError(f"injected request_id must be {rid} (the next id), got {request.request_id}")
+        if (prefill_worker is None) == (reservation_id is None):
+            raise ValueError("give exactly one of prefill_worker (normal path) or reservation_id (borrowed)")
+        if not 0 <= decode_worker < len(self.decode):
+            raise ValueError(f"decode_worker {decode_worker} out of range (0..{len(self.decode) - 1})")
+        if prefill_worker is not None and not 0 <= prefill_worker < len(self.prefill):
+            raise ValueError(f"prefill_worker {prefill_worker} out of range (0..{len(self.prefill) - 1})")
+        if reservation_id is not None and self.scheduler is None:
+            raise ValueError("a borrowed request needs a simulator with a scheduler")
+        self.index.add(request)
+        self.trace.requests.append(request)
+        self.reqs.append(ReqState(request))
+        self._session.append(request.session_id)
+        req = self.reqs[rid]
+        req.arrival_s = self.now_s
+        self._event_kind = _EV_RELEASE  # handled as a trace arrival at this instant would be
+        if self.scheduler is not None:
+            self._start_ticks()
+        if prefill_worker is not None:
+            self._dispatch_normal(req, prefill_worker, decode_worker)
+        else:
+            assert reservation_id is not None
+            self._dispatch_borrowed(req, decode_worker, reservation_id, -1)
+        return req
+
+    def refusal_reason(self, input_tokens: int, output_tokens: int) -> str | None:
+        """Why a request of this size is refused at arrival (it cannot fit a decode worker's KV), or
+        None when it fits."""
+        need = max(1, input_tokens) + max(1, output_tokens) + self.config.num_reserved_decode_tokens
+        if need > self.cm.kv_capacity_tokens:
+            return (
+                f"input + output + reserved decode tokens = {need} exceed a worker's KV capacity "
+                f"({self.cm.kv_capacity_tokens} tokens)"
+            )
+        return None
+
     # ---------------------------------------------------------------- arrival and routing
     def _on_arrival(self, rid: int) -> None:
         req = self.reqs[rid]
@@ -291,23 +384,23 @@ class Simulator:
                 f"({self.context_fit.window_tokens} tokens)",
             )
             return
-        need = req.input + req.output + self.config.num_reserved_decode_tokens
-        if need > self.cm.kv_capacity_tokens:
-            self._reject(
-                req,
-                f"input + output + reserved decode tokens = {need} exceed a worker's KV capacity "
-                f"({self.cm.kv_capacity_tokens} tokens)",
-            )
+        reason = self.refusal_reason(req.input, req.output)
+        if reason is not None:
+            self._reject(req, reason)
             return
         if self.scheduler is not None:
-            if not self._tick_pending:  # control ticks resume on the interval grid
-                interval = self.config.control_interval_s
-                self._tick_pending = True
-                self._push(math.ceil(self.now_s / interval) * interval, _EV_TICK, 0, 0)
+            self._start_ticks()
             self._choose_path(req)
             return
         pidx, _ = self._pick_prefill(req)
         self._dispatch_normal(req, pidx)
+
+    def _start_ticks(self) -> None:
+        """Control ticks resume on the interval grid (an idle cluster stops them)."""
+        if not self._tick_pending:
+            interval = self.config.control_interval_s
+            self._tick_pending = True
+            self._push(math.ceil(self.now_s / interval) * interval, _EV_TICK, 0, 0)
 
     def _choose_path(self, req: ReqState) -> None:
         """Ask the scheduler which path ``req`` takes and dispatch it there."""
@@ -325,13 +418,21 @@ class Simulator:
         if decision.path != "borrow":
             self._dispatch_normal(req, pidx, didx)
             return
+        self._dispatch_borrowed(req, decision.node_id, decision.reservation_id, pidx)
+
+    def _dispatch_borrowed(self, req: ReqState, node_id: int, reservation_id: int, pidx: int) -> None:
+        """``req`` is prefilled on decode node ``node_id`` under ``reservation_id`` (``pidx``: the normal
+        path's prefill worker, whose cached prefix the node may pull; -1 for none)."""
+        assert self.scheduler is not None
         req.path = BORROWED
-        req.reservation = decision.reservation_id
-        req.decode_worker = decision.node_id
+        req.reservation = reservation_id
+        req.decode_worker = node_id
         req.prefill_worker = pidx
-        self.decode_pool.dispatched(decision.node_id)
-        self._decode_tree[decision.node_id].insert(req.rid)
+        self.decode_pool.dispatched(node_id)
+        self._decode_tree[node_id].insert(req.rid)
         req.pull = self.scheduler.pull_tokens(req.reservation)
+        if req.pull > 0 and pidx < 0:
+            raise ValueError(f"reservation {reservation_id} pulls a prefix but no prefill worker was given")
         w = self.decode[req.decode_worker]
         if req.pull > 0:  # the node first pulls the prefix cached on the prefill worker
             done_s = self._link_transfer(self.prefill[pidx], w, req.pull)
@@ -487,8 +588,9 @@ class Simulator:
         )
 
     def _dispatch_normal(self, req: ReqState, pidx: int, didx: int | None = None) -> None:
-        """Dual dispatch: the request joins P's queue and D's pre-allocation queue at once (D is the
-        gateway's pick unless given)."""
+        """Dual dispatch: the request joins P's queue and D's pre-allocation queue at once (``didx``:
+        the decode worker when the gateway's pick was made already or a router outside the simulator
+        chose it)."""
         didx = self._pick_decode(req) if didx is None else didx
         self.prefill_pool.dispatched(pidx)
         self.decode_pool.dispatched(didx)
@@ -513,6 +615,9 @@ class Simulator:
         req.reservation = -1
         req.pull = 0
         req.decode_worker = -1
+        if self.refuse_fallbacks:
+            self._reject(req, "the node's lease cannot take this borrowed prefill now (revoked or paused)")
+            return
         pidx, _ = self._pick_prefill(req)
         self._dispatch_normal(req, pidx)
 
@@ -603,6 +708,8 @@ class Simulator:
 
     def _on_prefill_done(self, idx: int) -> None:
         pw = self.prefill[idx]
+        if self.listener is not None:
+            self.listener.on_prefill_iteration(pw)
         for req, take in pw.batch:
             req.done += take
             self.counters.prefill_tokens += take
@@ -623,6 +730,8 @@ class Simulator:
         self.prefill_pool.finished(req.prefill_worker)
         w = self.decode[req.decode_worker]
         req.has_kv = True
+        if self.listener is not None:
+            self.listener.on_kv_landed(req)
         w.waiting.append(req)
         self._kick_decode(w)
 
@@ -774,6 +883,8 @@ class Simulator:
         req.generated = 1
         req.first_token_s = self.now_s
         req.last_token_s = self.now_s
+        if self.listener is not None:
+            self.listener.on_first_token(req)
 
     def _retract(self, w: DecodeWorker) -> None:
         """KV ran out: the newest running request gives its KV back and waits to re-prefill."""
@@ -960,6 +1071,8 @@ class Simulator:
             self._on_mixed_done(w)
         else:
             self._apply_decode(w, len(w.iter_ends_s))
+        if self.listener is not None:
+            self.listener.on_decode_iteration(w)
         finished = [r for r in w.running if not r.needs_recompute and r.generated >= r.output]
         for req in finished:
             self._finish(w, req)
@@ -1018,6 +1131,8 @@ class Simulator:
         req.error = reason
         self.finished += 1
         self.counters.rejected += 1
+        if self.listener is not None:
+            self.listener.on_reject(req)
         self._release_children(req)
 
     def _release_children(self, req: ReqState) -> None:
@@ -1041,6 +1156,8 @@ class Simulator:
         self.decode_pool.finished(w.idx)
         self.finished += 1
         self.counters.finished += 1
+        if self.listener is not None:
+            self.listener.on_finish(req)
         self._release_children(req)
         if w.prealloc:
             self._try_prealloc(w)
@@ -1169,4 +1286,4 @@ def simulate(
         return sim.run(progress=bar.update)
 
 
-__all__ = ["Counters", "SchedulerHooks", "Simulator", "simulate"]
+__all__ = ["Counters", "SchedulerHooks", "SimListener", "Simulator", "simulate"]

@@ -9,11 +9,9 @@ one token per running request per iteration, each iteration lasting what the cos
 (times ``time_scale``). Streaming responses are server-sent events (``data: {json}`` lines, then
 ``data: [DONE]``); a client that disconnects aborts its request.
 
-It is what the real-GPU profiler (``serving.profiler``) is tested against, and a laptop stand-in for a
-worker. The real ``sglang-router`` 0.3.2 in its regular (non-PD) mode accepted it and forwarded
-streaming and non-streaming ``/generate`` in a manual check; that check is not a test yet because the
-router also tries to fetch the model's tokenizer from the Hugging Face hub, which must be blocked
-first. It is not yet a PD worker: no KV-transfer bootstrap endpoints.
+It is what the real-GPU profiler (``serving.profiler``) is tested against, and a stand-in for one
+aggregated (non-PD) worker behind a gateway in regular mode. Its scheduling is its own, simpler than
+the simulator's; the emulated PD cluster (``serving.pd_cluster``) runs the simulator itself.
 
     python -m serving.emulated_worker --gpu H200 --model gpt-oss-120b --port 30000
 """
@@ -24,15 +22,13 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from envs.cost_model import CostModel
-
-_MAX_BODY_BYTES = 64 * 2**20
+from serving.http import HttpRequest, HttpServer, SseStream, send_json
 
 
 @dataclass
@@ -83,27 +79,21 @@ class EmulatedWorker:
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
         self._wake = asyncio.Event()
-        self._server: asyncio.base_events.Server | None = None
+        self._http = HttpServer(self._route, host, port)
         self._loop_task: asyncio.Task[None] | None = None
-        self._handlers: set[asyncio.Task[Any]] = set()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        await self._http.start()
+        self.port = self._http.port
         self._loop_task = asyncio.create_task(self._schedule_loop())
 
     async def stop(self) -> None:
-        for task in list(self._handlers):  # open streams end with the worker
-            task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self._http.stop()  # open streams end with the worker
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
 
     @property
     def url(self) -> str:
@@ -178,42 +168,18 @@ class EmulatedWorker:
             req.queue.put_nowait(None)
 
     # ---------------------------------------------------------------- HTTP
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
-            task.add_done_callback(self._handlers.discard)
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            request_line, *header_lines = head.decode("latin-1").split("\r\n")
-            method, path, _ = request_line.split(" ", 2)
-            headers = {
-                k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)
-            }
-            length = int(headers.get("content-length", "0"))
-            if length > _MAX_BODY_BYTES:
-                await self._respond(writer, 413, {"error": "request body too large"})
-                return
-            body = await reader.readexactly(length) if length else b""
-            await self._route(method, path.split("?")[0], body, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
-            with contextlib.suppress(ConnectionError):
-                await self._respond(writer, 400, {"error": f"bad request: {exc}"})
-        finally:
-            with contextlib.suppress(ConnectionError):
-                writer.close()
-
-    async def _route(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
+        method, path = request.method, request.path
         if method == "GET" and path in ("/health", "/health_generate"):
-            await self._respond(writer, 200, {})
+            await send_json(writer, 200, {})
         elif method == "GET" and path in ("/model_info", "/get_model_info"):
-            await self._respond(writer, 200, {"model_path": self.cm.model.name, "is_generation": True})
+            await send_json(writer, 200, {"model_path": self.cm.model.name, "is_generation": True})
         elif method == "GET" and path in ("/server_info", "/get_server_info"):
-            await self._respond(writer, 200, self.server_info())
+            await send_json(writer, 200, self.server_info())
         elif method == "POST" and path == "/generate":
-            await self._generate(json.loads(body or b"{}"), writer)
+            await self._generate(request.json(), writer)
         else:
-            await self._respond(writer, 404, {"error": f"no route {method} {path}"})
+            await send_json(writer, 404, {"error": f"no route {method} {path}"})
 
     async def _generate(self, payload: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         if "input_ids" in payload:
@@ -221,14 +187,12 @@ class EmulatedWorker:
         elif isinstance(payload.get("text"), str):
             n_in = max(1, len(payload["text"].split()))  # one token per word: good enough for timing
         else:
-            await self._respond(writer, 400, {"error": "field 'input_ids' or 'text' is required"})
+            await send_json(writer, 400, {"error": "field 'input_ids' or 'text' is required"})
             return
         params = payload.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens", 128))
         if n_in < 1 or max_new < 1 or n_in + max_new > self.cm.kv_capacity_tokens:
-            await self._respond(
-                writer, 400, {"error": f"cannot serve {n_in} input + {max_new} output tokens"}
-            )
+            await send_json(writer, 400, {"error": f"cannot serve {n_in} input + {max_new} output tokens"})
             return
         req = _Req(next(self._ids), n_in, max_new, bool(payload.get("stream")), asyncio.Queue())
         self._waiting.append(req)
@@ -237,29 +201,17 @@ class EmulatedWorker:
             if not req.stream:
                 result = await req.queue.get()
                 await req.queue.get()  # the end marker
-                await self._respond(writer, 200, result or {})
+                await send_json(writer, 200, result or {})
                 return
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+            stream = SseStream(writer)
+            await stream.start()
             while (item := await req.queue.get()) is not None:
-                writer.write(b"data: " + json.dumps(item).encode() + b"\n\n")
-                await writer.drain()
-            writer.write(b"data: [DONE]\n\n")
-            await writer.drain()
+                await stream.send(item)
+            await stream.done()
         except (ConnectionError, asyncio.CancelledError):
             req.aborted = True
             self.stats.aborted += 1
             raise
-
-    @staticmethod
-    async def _respond(writer: asyncio.StreamWriter, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large"}[status]
-        writer.write(
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
 
 
 class BackgroundWorker:

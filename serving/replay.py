@@ -25,6 +25,12 @@ replay and a simulation of the same trace can be compared key by key.
 - **Emulated time.** When ``/server_info`` reports ``crossflow_time_scale`` (an emulated cluster whose
   iterations take cost-model time x scale), the schedule is stretched by the scale and every measured
   time is divided by it, so the figures are in the cluster's emulated time.
+- **Lag check.** When the workers report ``crossflow_lag`` (an emulated cluster), the replay asks
+  each one (directly, or those a gateway lists at ``/workers``) how late its iterations ran behind
+  their schedule during the replay; a lag beyond 5 % of the replay's wall duration fails the
+  replay's check (``ReplayResult.lag_failure``): the host could not keep the emulation's schedule.
+  The replay's own event loop is watched too (``client_lag_s``): against an emulation in scaled time,
+  a client that falls that far behind fails the check as well (its stream timestamps are late).
 - **Bounds.** At most the requests of the given trace, and at most ``timeout_s`` of wall time; what is
   still running then is cancelled and counted as unfinished.
 
@@ -49,11 +55,16 @@ import numpy as np
 
 from envs.arrivals import poisson_session_starts, scale_load
 from envs.cluster_config import ClusterConfig
+from envs.live import lag_check
 from envs.metrics import RunMetrics, weighted_quantiles
 from envs.request import Request, Trace
 
 TIME_SCALE_KEY = "crossflow_time_scale"
 """``/server_info`` key of an emulated cluster's time scale (wall seconds per emulated second)."""
+LAG_KEY = "crossflow_lag"
+"""``/server_info`` key of an emulated worker's lag behind its schedule (``max_s``, ``mean_s``, ...)."""
+LAG_SINCE_PARAM = "crossflow_lag_since"
+"""``/server_info`` query parameter of an emulated worker: report its lag from this Unix time on."""
 
 METRIC_KEYS: tuple[str, ...] = tuple(f.name for f in fields(RunMetrics))
 """The metric names of a replay: exactly those of a simulation."""
@@ -218,6 +229,13 @@ class ReplayResult:
     records: list[RequestRecord]
     wall_s: float
     timed_out: bool
+    lag: list[dict[str, Any]] = field(default_factory=list)
+    """Each emulated worker's lag during the replay (``url`` plus its ``crossflow_lag`` report)."""
+    lag_failure: str | None = None
+    """Why the emulation (or, against an emulation, the replay client) did not keep its schedule
+    during the replay, or None (also for real servers)."""
+    client_lag_s: float = 0.0
+    """Largest delay of the replay's own event loop behind a 50 ms ticker (wall seconds)."""
 
     def to_json_dict(self) -> dict[str, Any]:
         cfg = asdict(self.config)
@@ -231,6 +249,9 @@ class ReplayResult:
             "server_info": self.server_info,
             "wall_s": self.wall_s,
             "timed_out": self.timed_out,
+            "lag": self.lag,
+            "client_lag_s": self.client_lag_s,
+            "lag_failure": self.lag_failure,
             "metrics": self.metrics,
             "requests": [_record_json(r, self.time_scale) for r in self.records],
         }
@@ -384,6 +405,7 @@ class Replayer:
         self.time_scale = 1.0
         self._t0 = 0.0
         self._n_sent = 0
+        self._client_lag_s = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._transport = transport
 
@@ -409,16 +431,20 @@ class Replayer:
                 self.time_scale, source = reported, "server_info"
             else:
                 self.time_scale, source = 1.0, "default"
+            since_unix_s = time.time()
             self._t0 = time.perf_counter()
             timed_out = False
+            watcher = asyncio.create_task(self._watch_loop())
             try:
                 driver = self._run_closed(client) if self.trace.closed_loop else self._run_open(client)
                 await asyncio.wait_for(driver, timeout=cfg.timeout_s)
             except TimeoutError:
                 timed_out = True
             finally:
+                watcher.cancel()
                 await self._cancel_all()
             wall_s = time.perf_counter() - self._t0
+            lag = await self._lag_reports(client, since_unix_s)
         metrics = replay_metrics(
             self.records,
             self.n_requests,
@@ -427,9 +453,52 @@ class Replayer:
             slo_tpot_s=cfg.slo_tpot_s,
             n_dropped_empty=int(self.trace.meta.get("dropped_empty_requests", 0)),  # type: ignore[call-overload]
         )
+        failures = [(r["max_s"], f"{r['url']}: {why}") for r in lag if (why := lag_check(r["max_s"], wall_s))]
+        client_problem = lag_check(self._client_lag_s, wall_s, "the replay client")
+        if client_problem is not None and source != "default":  # only an emulation's clock is ours to keep
+            failures.append((self._client_lag_s, client_problem))
         return ReplayResult(
-            self.trace.name, cfg, self.time_scale, source, info, metrics, self.records, wall_s, timed_out
+            self.trace.name,
+            cfg,
+            self.time_scale,
+            source,
+            info,
+            metrics,
+            self.records,
+            wall_s,
+            timed_out,
+            lag,
+            max(failures)[1] if failures else None,
+            self._client_lag_s,
         )
+
+    async def _watch_loop(self, period_s: float = 0.05) -> None:
+        """Record how late this event loop wakes a ticker (a busy client reads streams late)."""
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(period_s)
+            self._client_lag_s = max(self._client_lag_s, time.perf_counter() - start - period_s)
+
+    async def _lag_reports(self, client: httpx.AsyncClient, since_unix_s: float) -> list[dict[str, Any]]:
+        """The ``crossflow_lag`` reports since ``since_unix_s`` of the server, or of the workers a
+        gateway lists at ``/workers``; empty when nobody reports one."""
+        urls = await self._worker_urls(client) or [self.config.url]
+        params = f"?{LAG_SINCE_PARAM}={since_unix_s:.6f}"
+        answers = await asyncio.gather(*(_get_json(client, url, (f"/server_info{params}",)) for url in urls))
+        return [
+            {"url": url, **a[LAG_KEY]}
+            for url, a in zip(urls, answers, strict=True)
+            if isinstance(a, dict) and isinstance(a.get(LAG_KEY), dict) and "max_s" in a[LAG_KEY]
+        ]
+
+    async def _worker_urls(self, client: httpx.AsyncClient) -> list[str]:
+        """The worker URLs a gateway lists at ``/workers`` (smg, sglang-router); empty for a server."""
+        listing = await _get_json(client, self.config.url, ("/workers",))
+        return [
+            w["url"]
+            for w in (listing or {}).get("workers", [])
+            if isinstance(w, dict) and isinstance(w.get("url"), str)
+        ]
 
     async def _server_info(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
         """The server's ``/server_info`` (or ``/get_server_info``, which smg forwards to a worker). When
@@ -438,12 +507,7 @@ class Replayer:
         info = await _get_json(client, self.config.url, ("/server_info", "/get_server_info"), required=True)
         if find_time_scale(info) is not None:
             return info
-        listing = await _get_json(client, self.config.url, ("/workers",))
-        urls = [
-            w["url"]
-            for w in (listing or {}).get("workers", [])
-            if isinstance(w, dict) and isinstance(w.get("url"), str)
-        ]
+        urls = await self._worker_urls(client)
         if not urls:
             return info
         answers = await asyncio.gather(*(_get_json(client, url, ("/server_info",)) for url in urls))

@@ -8,6 +8,7 @@ compared key by key. Needs the ``serving`` extra (httpx).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from train.jsonio import write_json
 from train.run_table import metric_rows
@@ -104,5 +105,14 @@ def _run_replay(args: argparse.Namespace) -> int:
     errors = [r.error for r in result.records if r.error]
     if errors:
         print(f"  {len(errors)} requests failed or were refused; first: {errors[0]}")
+    if result.lag:
+        worst = max(r["max_s"] for r in result.lag)
+        print(
+            f"  emulation lag: at most {worst * 1e3:.1f} ms behind schedule over {len(result.lag)} workers "
+            f"(replay client: {result.client_lag_s * 1e3:.1f} ms)"
+        )
     write_json(args.json, result.to_json_dict())
+    if result.lag_failure is not None:
+        print(f"crossflow replay: {result.lag_failure}", file=sys.stderr)
+        return 1
     return 0

@@ -1,0 +1,183 @@
+"""``envs.live`` and the simulator's injection API: a request injected at its arrival, placed where the
+simulator would have routed it, is simulated exactly as the trace-driven run simulates it; the live
+prefix resolver gives the caches the trace's sharing; the live clock, lag and borrowed intake."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from envs.cluster_config import ClusterConfig
+from envs.cost_model import CostModel
+from envs.live import LiveCluster, PrefixResolver, lag_check, local_prefill_demand
+from envs.prefix_cache import PrefixCache, PrefixIndex
+from envs.request import Request, Trace
+from envs.simulator import Simulator
+from envs.traces import load_trace
+from serving.replay import PromptTokens
+from train.experiment import build_scheduler, head
+
+MODEL = ("H200", "gpt-oss-120b", 1)
+
+
+def _placed_run(trace: Trace, config: ClusterConfig) -> tuple[Simulator, list[tuple[int, int]]]:
+    sim = Simulator(trace, config)
+    sim.run()
+    return sim, [(r.prefill_worker, r.decode_worker) for r in sim.reqs]
+
+
+@pytest.mark.parametrize("routing", ["round_robin", "cache_aware"])
+def test_injected_requests_are_simulated_exactly_as_trace_requests(routing: str) -> None:
+    trace = head(load_trace("mooncake"), 120)
+    config = ClusterConfig(prefill_routing=routing, decode_routing=routing, max_decode_jump_iters=1)
+    ref, placement = _placed_run(trace, config)
+    live = Simulator(Trace("live", []), config)
+    live.open_ended = True
+    for r in sorted(trace.requests, key=lambda r: (r.arrival_s, r.request_id)):
+        live.step_until(r.arrival_s)
+        p, d = placement[r.request_id]
+        live.inject(r, prefill_worker=p, decode_worker=d)
+    live.step_until(float("inf"))
+    assert live.finished == len(trace.requests)
+    for a, b in zip(ref.reqs, live.reqs, strict=True):
+        assert (a.first_token_s, a.finish_s, a.cached) == (b.first_token_s, b.finish_s, b.cached), a.rid
+    assert ref.result().metrics == live.result().metrics
+
+
+def test_inject_checks_its_arguments() -> None:
+    sim = Simulator(Trace("live", []), ClusterConfig(n_prefill=1, n_decode=1))
+    r = Request(0, -1, 0, 0.0, 100, 5)
+    with pytest.raises(ValueError, match="exactly one of"):
+        sim.inject(r, decode_worker=0)
+    with pytest.raises(ValueError, match="next id"):
+        sim.inject(dataclasses.replace(r, request_id=3), decode_worker=0, prefill_worker=0)
+    with pytest.raises(ValueError, match="out of range"):
+        sim.inject(r, decode_worker=1, prefill_worker=0)
+    with pytest.raises(ValueError, match="needs a simulator with a scheduler"):
+        sim.inject(r, decode_worker=0, reservation_id=1)
+    assert sim.refusal_reason(sim.cm.kv_capacity_tokens, 1) is not None
+    assert sim.refusal_reason(100, 5) is None
+
+
+def test_prefix_resolver_gives_the_caches_the_traces_sharing() -> None:
+    trace = head(load_trace("mooncake"), 300)
+    page = 256
+    prompts = PromptTokens(trace.requests, seed=1)
+    resolver = PrefixResolver(page)
+    resolved: list[Request] = []
+    for r in trace.requests:
+        ids = prompts.ids(r.request_id)
+        hashes = resolver.page_hashes(ids)
+        parent, shared = resolver.resolve(hashes, len(ids))
+        resolver.add(hashes, r.request_id, len(ids))
+        resolved.append(dataclasses.replace(r, parent_id=parent, shared_prefix_tokens=shared))
+    assert sum(r.parent_id >= 0 for r in resolved) > 50, "the fixture must share prefixes"
+    # an unbounded cache that holds every earlier request sees the same hit for every request
+    by_trace, by_ids = (PrefixCache(PrefixIndex(reqs, page), 10**9) for reqs in (trace.requests, resolved))
+    for r in trace.requests:
+        assert by_ids.match_tokens(r.request_id) == by_trace.match_tokens(r.request_id), r.request_id
+        by_trace.insert(r.request_id)
+        by_ids.insert(r.request_id)
+    # identical prompts share their whole length, a partial last page included
+    again = resolver.page_hashes(prompts.ids(5))
+    assert resolver.resolve(again, trace.requests[5].input_tokens)[1] == trace.requests[5].input_tokens
+
+
+def test_lag_check_and_demand() -> None:
+    assert lag_check(0.04, 1.0) is None
+    assert "lagged 0.060 s" in (lag_check(0.06, 1.0) or "")
+    d = local_prefill_demand(1000, 50, cached_tokens=200)
+    assert (d.prefill_tokens, d.kv_tokens, d.decode_tokens, d.tasks) == (800, 1050, 50, 1)
+
+
+async def _run_live(cluster: LiveCluster, body: object) -> object:
+    driver = asyncio.create_task(cluster.run())
+    await asyncio.sleep(0)
+    try:
+        return await body  # type: ignore[misc]
+    finally:
+        driver.cancel()
+
+
+def test_live_cluster_streams_tokens_at_the_cost_models_times() -> None:
+    cm = CostModel(*MODEL)
+    scale = 8.0
+    cluster = LiveCluster(ClusterConfig(n_prefill=1, n_decode=1), cost_model=cm, time_scale=scale)
+    n_in, n_out = 3000, 30
+
+    async def body() -> tuple[list[tuple[int, float]], float, float]:
+        t0 = time.perf_counter()
+        live = cluster.submit(np.arange(n_in), n_out, prefill_worker=0, decode_worker=0)
+        seen: list[tuple[int, float]] = []
+        landed_s = 0.0
+        while not live.done:
+            await live.changed()
+            if live.kv_landed.is_set() and not landed_s:
+                landed_s = time.perf_counter() - t0
+            seen.append((live.generated, (time.perf_counter() - t0) / scale))
+        return seen, landed_s / scale, cluster.now_s()
+
+    seen, landed_s, _ = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
+    assert 0 < landed_s <= seen[0][1] + 0.004, "the KV lands before the first token is delivered"
+    req = cluster.sim.reqs[0]
+    assert req.generated == n_out and seen[-1][0] == n_out
+    assert [g for g, _ in seen] == list(range(1, n_out + 1)), "one event per token at stream interval 1"
+    first_s = seen[0][1]
+    assert first_s == pytest.approx(req.first_token_s, abs=0.004)  # delivered when simulated (8x slower)
+    assert seen[-1][1] == pytest.approx(req.finish_s, abs=0.004)
+    assert req.first_token_s > cm.iteration_time_s([(n_in, 0)], 0, 0), "first token after prefill + transfer"
+    lag = cluster.lag_report("decode", 0)
+    assert lag["iterations"] >= n_out - 1 and lag["check"] is None
+
+
+def test_lag_beyond_five_percent_of_the_run_fails_its_check() -> None:
+    cluster = LiveCluster(
+        ClusterConfig(n_prefill=1, n_decode=1), cost_model=CostModel(*MODEL), time_scale=2.0
+    )
+
+    async def body() -> None:
+        live = cluster.submit(np.arange(500), 200, prefill_worker=0, decode_worker=0)
+        while live.generated < 20:
+            await live.changed()
+        time.sleep(0.4)  # the host stalls: the iterations due meanwhile are processed late
+        while not live.done:
+            await live.changed()
+
+    asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
+    report = cluster.lag_report("decode", 0)
+    assert report["max_s"] >= 0.35
+    assert report["check"] is not None and "not trustworthy" in report["check"]
+
+
+def test_borrowed_requests_run_on_the_nodes_lease_or_are_refused() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    scheduler = build_scheduler("utilisation", config, cm)
+    cluster = LiveCluster(config, cost_model=cm, scheduler=scheduler, time_scale=2.0)
+    no_lease = LiveCluster(config, cost_model=cm, time_scale=2.0)
+    assert no_lease.reserve_borrowed(0, 1000, 10) is None
+
+    async def body() -> tuple[int | None, int]:
+        before = cluster.reserve_borrowed(0, 1000, 10)  # no lease published yet
+        await asyncio.sleep(config.control_interval_s * 2.0 * 1.5)  # a control tick publishes one
+        warm = cluster.submit(np.arange(200), 400, prefill_worker=0, decode_worker=0)  # keeps ticks going
+        await asyncio.sleep(config.control_interval_s * 2.0 * 1.5)
+        reservation = cluster.reserve_borrowed(0, 1000, 10)
+        assert reservation is not None
+        live = cluster.submit_borrowed(
+            np.arange(10_000, 11_000), 10, decode_worker=0, reservation_id=reservation
+        )
+        while not live.done:
+            await live.changed()
+        while not warm.done:
+            await warm.changed()
+        return before, live.generated
+
+    before, generated = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
+    assert before is None and generated == 10
+    req = cluster.sim.reqs[1]
+    assert req.path == 1 and cluster.sim.counters.borrowed_prefill_tokens == 1000

@@ -1,0 +1,185 @@
+"""``crossflow serve --emulate 2P4D``: an emulated SGLang PD cluster (and a real gateway) on loopback.
+
+Starts every prefill and decode worker of the shape in this process (``serving.pd_cluster``: the
+simulator's workers and cost model in scaled wall time), optionally smg 1.13.0 in PD mode over them,
+prints where each listens, and runs until Ctrl-C (or ``--run-s``). On exit it stops the gateway by
+pid, then the workers, and prints what was served and each worker's lag behind its schedule; a run
+whose lag exceeded 5 % of its duration says so and exits with status 1. Needs the ``serving`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from train.model_args import add_model_arguments, model_from_args, model_options
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from train.cli import add_cluster_arguments
+
+    p = sub.add_parser(
+        "serve",
+        help="run an emulated SGLang PD cluster (and a gateway) on loopback",
+        description="Start emulated SGLang prefill and decode workers on 127.0.0.1, timed by the "
+        "simulator's cost model (iterations take cost-model time x --time-scale), optionally with smg in PD "
+        "mode in front, and serve until Ctrl-C. Replay a trace against the router with crossflow replay.",
+    )
+    p.add_argument("--emulate", required=True, metavar="SHAPE", help="cluster shape xPyD, e.g. 2P4D")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=30000,
+        help="the router's port, workers on the following ones (without a router the first worker's); "
+        "0: free ports (default: 30000)",
+    )
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="wall seconds per emulated second (default: 1)"
+    )
+    p.add_argument(
+        "--router",
+        choices=("none", "smg", "crossflow"),
+        default="none",
+        help="gateway in front of the workers: smg (smg 1.13.0 in PD mode), crossflow (not built yet) or "
+        "none (default)",
+    )
+    p.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        help="smg's --policy for both PD legs (default: cache_aware)",
+    )
+    p.add_argument("--gpu", default="H200", help="GPU of every worker (default: H200)")
+    p.add_argument("--model", default="gpt-oss-120b", help="served model (default: gpt-oss-120b)")
+    p.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel degree per worker (default: per model)"
+    )
+    p.add_argument(
+        "--policy",
+        default="static",
+        help="decode nodes' lease policy (static: no lease; utilisation, heuristic, rl): with a lease a "
+        "decode worker prefills do_local_prefill requests itself (default: static)",
+    )
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="stream every N tokens (SGLang --stream-interval)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the cluster's random choices")
+    p.add_argument("--run-s", type=float, default=None, help="stop after this many wall seconds")
+    add_model_arguments(p)
+    add_cluster_arguments(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.router == "crossflow":
+        raise ValueError(
+            "--router crossflow: Crossflow's own router is not built yet; use --router smg (or none)"
+        )
+    if not (args.time_scale > 0):
+        raise ValueError(f"--time-scale must be positive, got {args.time_scale}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be a port number, got {args.port}")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    if args.run_s is not None and not args.run_s > 0:
+        raise ValueError(f"--run-s must be positive, got {args.run_s}")
+
+
+def _build(args: argparse.Namespace) -> Any:
+    from envs.cluster_config import parse_shape
+    from envs.live import LiveCluster
+    from serving.pd_cluster import EmulatedCluster
+    from train.cli import cluster_overrides
+    from train.experiment import Point, build_scheduler, default_tp
+
+    parse_shape(args.emulate)
+    model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
+    point = Point(
+        policy=args.policy,
+        model=args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        shape=args.emulate,
+        seed=args.seed,
+        cluster_overrides=cluster_overrides(args),
+        **model_options(args),
+    )
+    config, cost_model = point.cluster(), point.cost_model()
+    scheduler = build_scheduler(args.policy, config, cost_model)
+    with_router = args.router != "none"
+    first = args.port + 1 if (with_router and args.port) else args.port
+    live = LiveCluster(
+        config,
+        cost_model=cost_model,
+        scheduler=scheduler,
+        time_scale=args.time_scale,
+        stream_interval=args.stream_interval,
+        seed=args.seed,
+    )
+    cluster = EmulatedCluster(live, port=first)
+    return point, cluster
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from serving.gateways import Gateway, missing_reason
+    from serving.pd_cluster import BackgroundCluster
+
+    _check(args)
+    if args.router == "smg" and (reason := missing_reason("smg")) is not None:
+        raise ValueError(f"--router smg: {reason}")
+    point, cluster = _build(args)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    gateway: Gateway | None = None
+    try:
+        with BackgroundCluster(cluster) as running:
+            cfg = running.live.config
+            print(
+                f"emulated {point.shape} {point.model} / {point.gpu} TP{point.resolved_tp}, "
+                f"policy {args.policy}, time scale {args.time_scale:g} (wall s per emulated s)",
+                flush=True,
+            )
+            for w in running.workers:
+                extra = f"  bootstrap port {w.bootstrap_port}" if w.bootstrap_port is not None else ""
+                print(f"  {w.name:<10} {w.url}{extra}", flush=True)
+            if args.router == "smg":
+                spec = running.gateway_spec("smg", policy=args.router_policy, port=args.port)
+                gateway = Gateway(spec, stop_grace_s=10.0)
+                gateway.start()
+                print(f"  router     {gateway.url}  (smg 1.13.0, PD mode, pid {gateway.pid})", flush=True)
+            print(f"serving {cfg.n_prefill + cfg.n_decode} workers; Ctrl-C stops", flush=True)
+            stop.wait(timeout=args.run_s)
+            print("stopping", flush=True)
+            if gateway is not None:
+                code = gateway.stop()
+                print(f"  router stopped (exit status {code})", flush=True)
+                gateway = None
+            served = running.live.sim.counters
+            reports = running.lag_reports()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    wall_s = time.monotonic() - started
+    print(f"served {served.finished} requests ({served.rejected} refused) in {wall_s:.1f} s")
+    failed = False
+    for name, report in reports:
+        line = f"  {name:<10} lag max {report['max_s'] * 1e3:.1f} ms, mean {report['mean_s'] * 1e3:.2f} ms"
+        line += f" over {report['iterations']} iterations"
+        if report["check"] is not None:
+            failed = True
+            line += f": {report['check']}"
+        print(line)
+    if failed:
+        print("crossflow serve: the emulation did not keep its schedule (see above)", file=sys.stderr)
+        return 1
+    return 0
