@@ -174,6 +174,10 @@ class DecodeWorker:
     """Iterations of the jump whose tokens are already applied (``Simulator._sync``)."""
     iter_decode_only_s: float = 0.0
     iter_prefill: list[tuple[ReqState, int]] = field(default_factory=list)
+    iter_credit_wait: bool = False
+    """The jump in flight waits for borrowed-prefill credit: each iteration's end (the next one's start)
+    is where single iterations would have checked the token bucket, so applying it advances the bucket
+    there (``Simulator._advance_decode``)."""
     itl: ItlHistogram = field(default_factory=ItlHistogram)
     """Inter-token latencies of this worker's tokens."""
     # per control interval accounting (integer nanoseconds)

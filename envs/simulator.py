@@ -46,6 +46,7 @@ and any event that reaches the node mid-jump cuts it at the next iteration bound
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -791,6 +792,9 @@ class Simulator:
             return
         times = w.iter_times_s[start:upto]
         self._account(w, times, times, n)
+        if w.iter_credit_wait:  # each iteration's end starts the next: single iterations check credit there
+            for end_s in w.iter_ends_s[start:upto]:
+                w.bucket.advance(float(end_s))
         last_s = float(w.iter_ends_s[upto - 1])
         for req in w.running:
             req.kv_held += m
@@ -1042,7 +1046,11 @@ class Simulator:
             self._wake_when_credit(w)
             return
         k = 1
-        if not prefill and not (w.borrowed and w.bucket.rate_tokens_per_s > 0):
+        # Borrowed work that waits only for credit (nothing else about the node changes until an event
+        # cuts the jump) lets decode iterations run as a jump up to the first start with enough credit.
+        lending = bool(w.borrowed) and w.bucket.rate_tokens_per_s > 0
+        credit_wait = not prefill and lending and self._credit_short(w)
+        if not prefill and (credit_wait or not lending):
             k = min(cfg.max_decode_jump_iters, min(r.output - r.generated for r in w.running))
             k = max(1, min(k, (w.capacity_tokens - w.kv_used) // growing))
         times: list[float] | np.ndarray
@@ -1056,12 +1064,36 @@ class Simulator:
         else:  # k identical iterations: exactly the times and clock that k single events would give
             times = fixed_s + (ctx + np.arange(k, dtype=np.float64) * batch) * per_ctx_s
             ends = np.add.accumulate(np.concatenate(([self.now_s], times)))[1:]
+            if credit_wait:
+                j = self._credit_iterations(w, ends)
+                times, ends = times[:j], ends[:j]
         w.busy = True
         w.generation += 1
         w.iter_times_s, w.iter_ends_s, w.iter_applied = times, ends, 0
         w.iter_decode_only_s = decode_step
         w.iter_prefill = prefill
+        w.iter_credit_wait = credit_wait
         self._push(float(ends[-1]), _EV_DECODE, w.idx, w.generation)
+
+    def _credit_need(self, w: DecodeWorker) -> int:
+        """Credit the node's borrowed work needs before an iteration takes a chunk of it (see
+        ``policies.admission.borrowed_chunk_tokens``)."""
+        return min(self._min_chunk_tokens(w), self._borrowed_remaining(w))
+
+    def _credit_short(self, w: DecodeWorker) -> bool:
+        """Whether borrowed work on ``w`` took no chunk now only for lack of credit."""
+        available = min(w.bucket.available_tokens(self.now_s), self.config.prefill_chunk_tokens)
+        return 0 < self._credit_need(w) and available < self._credit_need(w)
+
+    def _credit_iterations(self, w: DecodeWorker, ends: np.ndarray) -> int:
+        """Iterations of a credit-waiting jump with ``ends``: up to (including) the one at whose end the
+        bucket, advanced at every iteration end as single iterations advance it, first holds a chunk."""
+        bucket = copy.copy(w.bucket)
+        need, chunk = self._credit_need(w), self.config.prefill_chunk_tokens
+        for i in range(len(ends) - 1):
+            if min(bucket.available_tokens(float(ends[i])), chunk) >= need:
+                return i + 1
+        return len(ends)
 
     def _on_decode_done(self, idx: int, generation: int) -> None:
         w = self.decode[idx]

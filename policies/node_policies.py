@@ -37,7 +37,11 @@ class NodePolicy(Protocol):
         ...
 
     def propose(self, state: NodeState) -> LeaseBudgets:
-        """New headroom the node offers now; ``LeaseBudgets.zero()`` for no lease."""
+        """New headroom the node offers now; ``LeaseBudgets.zero()`` for no lease.
+
+        A pure function of ``state`` that never reads ``state.time_s`` (so does ``decode_pressure``
+        where a policy has one): the scheduler reuses the last proposal of a node whose state, apart
+        from the clock, has not changed."""
         ...
 
 

@@ -9,7 +9,9 @@ scheduler that estimates with other numbers than the simulator runs.
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -221,3 +223,36 @@ def test_scheduler_estimates_with_the_clusters_own_numbers() -> None:
     small_chunks = cfg.with_(prefill_chunk_tokens=1024)
     assert normal_s(small_chunks) > normal_s(cfg)  # more iterations, each with its fixed cost
     assert math.isfinite(normal_s(cfg.with_(slo_tpot_s=0.03, control_interval_s=0.25)))
+
+
+def test_decode_jumps_while_borrowed_work_waits_for_credit_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose borrowed work waits only for token-bucket credit decodes in jumps up to the first
+    iteration start with enough credit; the run is identical to one of single iterations."""
+    from envs.simulator import Simulator
+    from train.experiment import Point, prepare_trace, run_point
+
+    calls = []
+    original = Simulator._credit_iterations
+
+    def counted(self: Simulator, w: Any, ends: Any) -> int:
+        j = original(self, w, ends)
+        calls.append(j)
+        return j
+
+    monkeypatch.setattr(Simulator, "_credit_iterations", counted)
+    point = Point(policy="heuristic", trace="mooncake", max_requests=300, load=1.5)
+    trace = prepare_trace(point)
+    jumped = run_point(point, trace=trace)
+    assert calls and max(calls) > 1  # credit-waiting jumps happened, some of several iterations
+    single_point = Point(
+        policy="heuristic",
+        trace="mooncake",
+        max_requests=300,
+        load=1.5,
+        cluster_overrides=(("max_decode_jump_iters", 1),),
+    )
+    single = run_point(single_point, trace=trace)
+    assert jumped.metrics.borrowed_prefill_tokens > 0
+    for col in ("first_token_s", "finish_s", "decode_worker", "path", "retractions"):
+        np.testing.assert_array_equal(jumped.requests[col], single.requests[col])
+    assert jumped.metrics == single.metrics
