@@ -41,12 +41,10 @@ def test_compare_rejects_unknown_policies_by_flag() -> None:
         check_names(GridSpec(policies=("static", "dynamo")))
 
 
-def test_tune_end_to_end_on_a_small_development_slice(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(tune.DEV_SUBSET, "mooncake", 60)
+def test_tune_end_to_end_on_a_small_development_slice(tmp_path: Path) -> None:
     out = tmp_path / "tuned.json"
     argv = ["tune", "--policies", "llmd-prefix,hindsight-split", "--traces", "mooncake", "--jobs", "1"]
+    argv += ["--max-requests", "60", "--max-sessions", "5"]  # sessions count only closed-loop traces
     assert main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["format"] == "crossflow-tuned-policies/1" and doc["command"].startswith("crossflow tune")
@@ -61,6 +59,7 @@ def test_tune_end_to_end_on_a_small_development_slice(
     from policies.catalog import load_tuned
 
     assert load_tuned(out)["policies"]["llmd-prefix"]["params"] == llmd["params"]  # what compare reads
+    assert doc["spec"]["max_requests"] == 60 and doc["spec"]["max_sessions"] == 5
 
 
 def test_tune_rejects_bad_arguments_by_flag() -> None:

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from envs.cluster_config import parse_shape
 from policies.catalog import TUNED_FILE, TUNED_FORMAT, policy_names, policy_spec, tuned_params
+from train.cli_types import positive_int
 from train.compare import DEFAULT_SUBSET, same_gpu_splits, time_cap_s, trace_for
 from train.experiment import Point, run_point
 from train.jsonio import write_json
@@ -62,7 +63,15 @@ SPLIT_SIDE: dict[str, str] = {"development": "dev", "evaluation": "heldout"}
 the held-out side ``compare`` evaluates on."""
 
 
-def _subset(trace: str, side: Side) -> int:
+CLOSED_LOOP_TRACES = frozenset({"agent"})
+"""Bundled traces replayed as sessions (``--max-sessions`` counts them); the others count requests."""
+
+
+def _subset(trace: str, side: Side, max_requests: int | None = None, max_sessions: int | None = None) -> int:
+    """Sessions (closed loop) or requests (open loop) of ``trace`` to replay on ``side``."""
+    chosen = max_sessions if trace in CLOSED_LOOP_TRACES else max_requests
+    if chosen is not None:
+        return chosen
     return DEV_SUBSET.get(trace, 2000) if side == "development" else DEFAULT_SUBSET.get(trace, 1000)
 
 
@@ -79,6 +88,10 @@ class TuneSpec:
     decode_prefix_cache: bool = False
     side: Side = "development"
     """``development``: search every grid; ``evaluation``: measure the shipped tuned values only."""
+    max_requests: int | None = None
+    """First N requests of each open-loop trace's side (default ``DEV_SUBSET`` / compare's subset)."""
+    max_sessions: int | None = None
+    """First N sessions of each closed-loop trace's side (the agent sessions)."""
 
     def point(self, policy: str, trace: str, shape: str | None = None) -> Point:
         """``policy`` on ``trace``'s side of the split (its load is set by the search), with open-loop
@@ -90,7 +103,7 @@ class TuneSpec:
             gpu=self.gpu,
             shape=shape or self.shape,
             seed=self.seed,
-            max_requests=_subset(trace, self.side),
+            max_requests=_subset(trace, self.side, self.max_requests, self.max_sessions),
             split=SPLIT_SIDE[self.side],
             open_loop_arrivals="poisson",
             decode_prefix_cache=self.decode_prefix_cache,
@@ -284,6 +297,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--shape", default="2P4D")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--max-requests",
+        type=positive_int,
+        default=None,
+        help="first N requests of each open-loop trace's side (default: mooncake 2000 for tuning, "
+        "compare's subset with --evaluate)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=None,
+        help="first N sessions of each closed-loop trace's side (agent; default 60)",
+    )
+    p.add_argument(
         "--decode-prefix-cache",
         action="store_true",
         help="decode workers keep a radix prefix cache, for every policy (decode-side rules read it)",
@@ -328,6 +354,8 @@ def spec_from_args(args: argparse.Namespace) -> TuneSpec:
         seed=args.seed,
         decode_prefix_cache=bool(args.decode_prefix_cache),
         side="evaluation" if args.evaluate else "development",
+        max_requests=args.max_requests,
+        max_sessions=args.max_sessions,
     )
 
 
