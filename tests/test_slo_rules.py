@@ -193,3 +193,34 @@ def test_the_catalogs_heuristic_runs_the_slo_rules_by_default() -> None:
     assert policy.discount_prealloc_kv and policy.max_chunk_tokens == cfg.prefill_chunk_tokens
     old = make_node_policy("heuristic", ctx, itl_budget_share=None, discount_prealloc_kv=False)
     assert isinstance(old, HeuristicPolicy) and old.itl_budget_s is None and not old.discount_prealloc_kv
+
+
+def test_heuristic_datasheet_swaps_only_the_safe_rate_for_the_roofline_one() -> None:
+    from envs.datasheet import DatasheetSafeRate, datasheet_from_learned
+    from interference_model.artifact import load_predictor
+    from policies.catalog import make_scheduler, policy_spec
+
+    learned = load_predictor(
+        "interference_model/data/h200_gpt-oss-120b_tp1", gpu="H200", model="gpt-oss-120b", tp=1
+    )
+    sheet = datasheet_from_learned(learned)
+    assert isinstance(sheet, DatasheetSafeRate)
+    busy = dict(context_tokens_mean=12_000.0, context_tokens_std=3_000.0, remaining_output_tokens_mean=300.0)
+    # the roofline leaves out every calibrated cost, so its safe rate is above the learned one
+    for batch in (1, 16, 48):
+        roof = sheet.safe_prefill_tokens_per_s(batch, kv_occupancy=0.3, **busy)
+        assert roof > learned.safe_prefill_tokens_per_s(batch, kv_occupancy=0.3, **busy) > 0
+    # and the KV cap is the learned predictor's: a full node lends nothing
+    assert sheet.safe_prefill_tokens_per_s(16, kv_occupancy=0.999, **busy) == 0.0
+    with pytest.raises(ValueError, match="metadata"):
+        datasheet_from_learned(ConstantPredictor(1.0))
+    assert policy_spec("heuristic-datasheet").grid == policy_spec("heuristic").grid
+    cfg = ClusterConfig()
+    from tests.fakes import LinearCostModel
+
+    ctx = PolicyContext(ClusterEstimator(cfg, LinearCostModel()), cfg, learned)  # type: ignore[arg-type]
+    sched = make_scheduler("heuristic-datasheet", ctx, {})
+    assert sched is not None
+    node = sched.policy_for(0)
+    assert isinstance(node, HeuristicPolicy) and isinstance(node.predictor, DatasheetSafeRate)
+    assert node.itl_budget_s == pytest.approx(itl_budget_s(cfg.slo_tpot_s))
