@@ -220,7 +220,7 @@ register_policy(
         "Crossflow: leases sized by the interference model, borrowed on congestion when faster",
         node="heuristic",
         path="lease",
-        grid={"node.ttl_s": (2.0, 8.0), "node.margin": (0.8, 1.0), "scheduler.itl_guard": (1.25, None)},
+        grid={"node.ttl_s": (2.0, 8.0), "node.margin": (0.8, 1.0), "scheduler.itl_guard": ("slo", None)},
         source=CROSSFLOW_SOURCE,
     )
 )

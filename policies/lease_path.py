@@ -12,6 +12,12 @@ Rule, per request:
    later request waits longer). Below capacity a queue drains by itself and borrowing would only
    trade the decode pool's ITL for TTFT the SLO does not ask for. With ``congestion="wait"`` (the
    older rule) any queue wait above ``congestion_wait_s`` counts.
+
+   1b. Decode-side prefix reuse (``prefix_reuse_share``, when decode nodes keep a prefix cache): an
+   uncongested request is still offered the leases of the decode nodes that cache at least that share
+   of its prompt (a later turn of a conversation whose earlier turns decoded there). There it
+   prefills only the suffix and needs no KV transfer, so rules 2 and 3 usually find it faster than
+   the normal path, which moves the whole prompt's KV.
 2. For each decode node whose live lease has a task slot and prefill budget left, the best way to run
    the request there: compute everything not cached on the node, or first pull the longer prefix
    cached on the prefill worker. Its estimate is the node's queued borrowed tokens at the lease's
@@ -47,6 +53,8 @@ DEFAULT_BORROW_MARGIN = 0.1
 DEFAULT_TTFT_SHARE = 0.4
 """Under the capacity test a request whose normal-path queue wait exceeds this share of the TTFT SLO
 is offered a lease whatever the pool's load (2 s at the default 5 s SLO)."""
+DEFAULT_PREFIX_REUSE_SHARE = 0.5
+"""A decode node caching at least this share of a prompt is offered it even when the pool is not short."""
 Congestion = Literal["capacity", "wait"]
 
 
@@ -69,6 +77,7 @@ class LeasePath(PathPolicy):
         slo_ttft_s, ttft_share: the capacity test's per-request wait limit, ``ttft_share x slo_ttft_s``.
         pool_tokens_per_s: the prefill pool's rate for the capacity test (required with it).
         arrival_window_s: time constant of the arriving-work rate (default: the TTFT SLO).
+        prefix_reuse_share: decode-side prefix reuse (module docstring, rule 1b); ``None``: off.
     """
 
     uses_leases = True
@@ -84,8 +93,12 @@ class LeasePath(PathPolicy):
         ttft_share: float = DEFAULT_TTFT_SHARE,
         pool_tokens_per_s: float = 0.0,
         arrival_window_s: float | None = None,
+        prefix_reuse_share: float | None = None,
     ) -> None:
         super().__init__()
+        if prefix_reuse_share is not None and not 0 < prefix_reuse_share <= 1:
+            raise ValueError(f"prefix_reuse_share must be in (0, 1] or None, got {prefix_reuse_share!r}")
+        self.prefix_reuse_share = prefix_reuse_share
         if congestion_wait_s < 0 or not 0 <= borrow_margin < 1:
             raise ValueError("congestion_wait_s must be >= 0 and borrow_margin in [0, 1)")
         if congestion not in ("capacity", "wait"):
@@ -118,6 +131,14 @@ class LeasePath(PathPolicy):
             self._arrived_tokens *= math.exp(-(now_s - self._arrived_s) / self.arrival_window_s)
         self._arrived_tokens += q.normal_uncached_tokens
         self._arrived_s = max(self._arrived_s, now_s)
+
+    def prefix_nodes(self, q: PathQuery, nodes: list[int]) -> list[int]:
+        """Of ``nodes``, those whose decode prefix cache holds at least ``prefix_reuse_share`` of the
+        prompt (empty when the share is ``None`` or the decode nodes keep no cache)."""
+        if self.prefix_reuse_share is None or not q.decode_cached_tokens:
+            return []
+        need = self.prefix_reuse_share * q.input_tokens
+        return [n for n in nodes if q.decode_cached_tokens.get(n, 0) >= need]
 
     def congestion_reason(self, q: PathQuery, now_s: float) -> str | None:
         """Why the prefill pool is short of capacity for ``q`` (borrowing may help), or ``None``. Under
@@ -178,12 +199,15 @@ class LeasePath(PathPolicy):
     def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> PathDecision:
         est_normal_s = normal_path_estimate_s(self.cost, q)
         congested = self.congestion_reason(q, now_s)
+        nodes = ledger.node_ids()
         if congested is None:
-            reason = f"not congested (queue wait {q.normal_queue_wait_s:.3f} s)"
-            return PathDecision("normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED)
-        options = [
-            o for n in ledger.node_ids() if (o := self._borrow_option(q, n, now_s, ledger)) is not None
-        ]
+            nodes = self.prefix_nodes(q, nodes)
+            if not nodes:
+                reason = f"not congested (queue wait {q.normal_queue_wait_s:.3f} s)"
+                return PathDecision(
+                    "normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED
+                )
+        options = [o for n in nodes if (o := self._borrow_option(q, n, now_s, ledger)) is not None]
         if not options:
             return PathDecision(
                 "normal",
@@ -243,6 +267,7 @@ def _make_lease_path(
     congestion: Congestion = "capacity",
     ttft_share: float = DEFAULT_TTFT_SHARE,
     arrival_window_s: float | None = None,
+    prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -253,6 +278,7 @@ def _make_lease_path(
         ttft_share=ttft_share,
         pool_tokens_per_s=prefill_pool_tokens_per_s(ctx) if congestion == "capacity" else 0.0,
         arrival_window_s=arrival_window_s,
+        prefix_reuse_share=prefix_reuse_share,
     )
 
 
@@ -263,6 +289,7 @@ register_path_policy(
 __all__ = [
     "DEFAULT_BORROW_MARGIN",
     "DEFAULT_CONGESTION_WAIT_S",
+    "DEFAULT_PREFIX_REUSE_SHARE",
     "DEFAULT_TTFT_SHARE",
     "LeasePath",
     "prefill_pool_tokens_per_s",

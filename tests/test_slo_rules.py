@@ -224,3 +224,28 @@ def test_heuristic_datasheet_swaps_only_the_safe_rate_for_the_roofline_one() -> 
     node = sched.policy_for(0)
     assert isinstance(node, HeuristicPolicy) and isinstance(node.predictor, DatasheetSafeRate)
     assert node.itl_budget_s == pytest.approx(itl_budget_s(cfg.slo_tpot_s))
+
+
+def test_decode_side_prefix_reuse_borrows_an_uncongested_turn_where_its_prefix_sits() -> None:
+    policy = HeuristicPolicy(ConstantPredictor(20_000.0), ttl_s=1.0, margin=1.0)
+    path = LeasePath(FakeCost(), congestion="wait", prefix_reuse_share=0.5)
+    sched = ClusterScheduler(policy, LeaseLedger(), FakeCost(), path=path, control_interval_s=0.5)
+    sched.on_control_interval(0.0, [calm(0), calm(1)])
+    # not congested, but node 1 holds 9k of the 10k-token prompt: it prefills the 1k suffix there
+    d = sched.choose_path(query(1, wait_s=0.1, decode_cached_tokens={0: 2_000, 1: 9_000}), 0.0)
+    assert d.path == "borrow" and d.node_id == 1 and d.code is PathReason.BORROWED
+    assert sched.ledger.held_by(d.reservation_id).prefill_tokens == 1_000  # type: ignore[arg-type]
+    # below the share: the normal path, as without the rule
+    d = sched.choose_path(query(2, wait_s=0.1, decode_cached_tokens={0: 4_000}), 0.0)
+    assert d.path == "normal" and d.code is PathReason.NOT_CONGESTED
+    off = ClusterScheduler(
+        policy,
+        LeaseLedger(),
+        FakeCost(),
+        path=LeasePath(FakeCost(), congestion="wait"),
+        control_interval_s=0.5,
+    )
+    off.on_control_interval(0.0, [calm(0), calm(1)])
+    assert off.choose_path(query(3, wait_s=0.1, decode_cached_tokens={1: 9_000}), 0.0).path == "normal"
+    with pytest.raises(ValueError, match="prefix_reuse_share"):
+        LeasePath(FakeCost(), prefix_reuse_share=1.5)
