@@ -84,6 +84,9 @@ class RunMetrics:
     """Share of requests prefilled on a decode node without a lease (a path policy's ``local``)."""
     local_prefill_tokens: int = 0
     """Prompt tokens those requests computed there."""
+    n_shed: int = 0
+    """Refused at arrival by the path policy's admission control (the cluster past capacity): unlike
+    ``n_rejected`` they stay in the SLO denominator, as misses."""
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -155,7 +158,7 @@ def _offered_timeline(sim: Simulator, df: pd.DataFrame) -> pd.DataFrame:
 
 def build_result(sim: Simulator) -> SimResult:
     """Collect a finished (or stopped) simulation into records and metrics."""
-    from envs.sim_state import BORROWED, FALLBACK, LOCAL, PATH_NAMES
+    from envs.sim_state import BORROWED, FALLBACK, LOCAL, PATH_NAMES, SHED_ERROR_PREFIX
 
     cfg = sim.config
     reqs = [r for r in sim.reqs if not math.isnan(r.arrival_s)]
@@ -192,7 +195,9 @@ def build_result(sim: Simulator) -> SimResult:
         0.0,
     )
     slo_ok = (ttft <= cfg.slo_ttft_s) & (per_req_itl <= cfg.slo_tpot_s)
-    n_rejected = int((df["error"] != "").sum())
+    shed = df["error"].str.startswith(SHED_ERROR_PREFIX)
+    n_shed = int(shed.sum())
+    n_rejected = int((df["error"] != "").sum()) - n_shed
     n_eligible = len(sim.reqs) - n_rejected
     paths = np.array([r.path for r in reqs])
     borrowed_tokens = sum(w.borrowed_tokens_total for w in sim.decode)
@@ -235,6 +240,7 @@ def build_result(sim: Simulator) -> SimResult:
         decode_utilisation=float(np.mean(busy_d)),
         local_share=float((paths == LOCAL).mean()) if len(paths) else 0.0,
         local_prefill_tokens=int(sim.counters.local_prefill_tokens),
+        n_shed=n_shed,
     )
     nodes = pd.DataFrame(
         [{"role": "prefill", "index": i, "busy_fraction": b} for i, b in enumerate(busy_p)]

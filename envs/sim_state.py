@@ -20,6 +20,9 @@ from policies.admission import LeaseTokenBucket
 
 NORMAL, BORROWED, FALLBACK, LOCAL = 0, 1, 2, 3
 PATH_NAMES = ("normal", "borrowed", "fallback", "local")
+SHED_ERROR_PREFIX = "shed: "
+"""``ReqState.error`` of a request the path policy's admission control refused: unlike other refusals
+it stays in the SLO denominator, a miss (``envs.metrics``)."""
 
 
 class ReqState:

@@ -66,6 +66,7 @@ from envs.sim_state import (
     BORROWED,
     FALLBACK,
     LOCAL,
+    SHED_ERROR_PREFIX,
     Counters,
     DecodeCacheMatches,
     DecodeWorker,
@@ -416,6 +417,9 @@ class Simulator:
         queued = self.prefill[pidx].queued_tokens
         query = self._path_query(req, pidx, didx, cached, queued)
         decision = self.scheduler.choose_path(query, self.now_s)
+        if decision.path == "shed":  # admission control: an SLO miss, not a rejection
+            self._reject(req, f"{SHED_ERROR_PREFIX}{decision.reason}")
+            return
         if decision.path == "local":
             self._dispatch_local(req, decision.node_id)
             return

@@ -25,6 +25,10 @@ Rule, per request:
    option must fit what the lease still has (``LeaseLedger.available``) on every budget.
 3. Borrow on the fastest option if it beats the normal path's estimate by ``borrow_margin``,
    reserving on the ledger (the next fastest within the margin if the reservation fails).
+4. Admission control (``shed_ttft_factor``): a congested request whose fastest path (normal, or any
+   lease that can hold it) is estimated past ``shed_ttft_factor x`` the TTFT SLO is shed: refused at
+   arrival, counted as an SLO miss (it stays in the SLO denominator, ``envs.metrics``) and never as
+   served work. Past capacity, serving it would only push every request behind it past the SLO too.
 
 The reservation is what makes the choice binding: concurrent decisions can never take more than a
 lease holds. See ``docs/leases.md``.
@@ -78,6 +82,7 @@ class LeasePath(PathPolicy):
         pool_tokens_per_s: the prefill pool's rate for the capacity test (required with it).
         arrival_window_s: time constant of the arriving-work rate (default: the TTFT SLO).
         prefix_reuse_share: decode-side prefix reuse (module docstring, rule 1b); ``None``: off.
+        shed_ttft_factor: admission control (module docstring, rule 4); ``None``: off.
     """
 
     uses_leases = True
@@ -94,8 +99,15 @@ class LeasePath(PathPolicy):
         pool_tokens_per_s: float = 0.0,
         arrival_window_s: float | None = None,
         prefix_reuse_share: float | None = None,
+        shed_ttft_factor: float | None = None,
     ) -> None:
         super().__init__()
+        if shed_ttft_factor is not None and not (shed_ttft_factor >= 1 and slo_ttft_s < math.inf):
+            raise ValueError(
+                "shed_ttft_factor must be >= 1 with a finite slo_ttft_s, "
+                f"got {shed_ttft_factor!r}, {slo_ttft_s!r}"
+            )
+        self.shed_limit_s = math.inf if shed_ttft_factor is None else shed_ttft_factor * slo_ttft_s
         if prefix_reuse_share is not None and not 0 < prefix_reuse_share <= 1:
             raise ValueError(f"prefix_reuse_share must be in (0, 1] or None, got {prefix_reuse_share!r}")
         self.prefix_reuse_share = prefix_reuse_share
@@ -208,6 +220,14 @@ class LeasePath(PathPolicy):
                     "normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED
                 )
         options = [o for n in nodes if (o := self._borrow_option(q, n, now_s, ledger)) is not None]
+        if congested is not None and self.shed_limit_s < math.inf:
+            best_any_s = min([est_normal_s, *(o.est_s for o in options)])
+            if best_any_s > self.shed_limit_s:
+                reason = (
+                    f"shed: {congested}; fastest path {best_any_s:.3f} s > {self.shed_limit_s:.3f} s "
+                    "(the TTFT SLO cannot be met)"
+                )
+                return PathDecision("shed", None, None, est_normal_s, None, reason, PathReason.SHED)
         if not options:
             return PathDecision(
                 "normal",
@@ -268,6 +288,7 @@ def _make_lease_path(
     ttft_share: float = DEFAULT_TTFT_SHARE,
     arrival_window_s: float | None = None,
     prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
+    shed_ttft_factor: float | None = None,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -279,6 +300,7 @@ def _make_lease_path(
         pool_tokens_per_s=prefill_pool_tokens_per_s(ctx) if congestion == "capacity" else 0.0,
         arrival_window_s=arrival_window_s,
         prefix_reuse_share=prefix_reuse_share,
+        shed_ttft_factor=shed_ttft_factor,
     )
 
 

@@ -249,3 +249,59 @@ def test_decode_side_prefix_reuse_borrows_an_uncongested_turn_where_its_prefix_s
     assert off.choose_path(query(3, wait_s=0.1, decode_cached_tokens={1: 9_000}), 0.0).path == "normal"
     with pytest.raises(ValueError, match="prefix_reuse_share"):
         LeasePath(FakeCost(), prefix_reuse_share=1.5)
+
+
+def test_admission_control_sheds_a_congested_request_no_path_can_serve_in_time() -> None:
+    path = LeasePath(
+        FakeCost(),
+        congestion="capacity",
+        slo_ttft_s=5.0,
+        pool_tokens_per_s=40_000.0,
+        shed_ttft_factor=2.0,
+    )
+    policy = HeuristicPolicy(ConstantPredictor(20_000.0), ttl_s=1.0, margin=1.0)
+    sched = ClusterScheduler(policy, LeaseLedger(), FakeCost(), path=path, control_interval_s=0.5)
+    # no lease yet: a request 12 s behind the queue cannot meet 2 x 5 s
+    d = sched.choose_path(query(1, wait_s=12.0), 0.0)
+    assert d.path == "shed" and d.node_id is None and d.code is PathReason.SHED
+    # a lease that brings it within the limit: borrowed, not shed
+    sched.on_control_interval(0.0, [calm(0)])
+    assert sched.choose_path(query(2, wait_s=12.0), 0.0).path == "borrow"
+    # 8 s of queue is past the TTFT SLO but within 2x: served late, not shed
+    assert path.choose(query(3, wait_s=8.0), 0.0, LeaseLedger()).path == "normal"
+    with pytest.raises(ValueError, match="shed_ttft_factor"):
+        LeasePath(FakeCost(), shed_ttft_factor=2.0)  # no SLO to key it to
+
+
+def test_shed_requests_stay_in_the_slo_denominator_as_misses() -> None:
+    from envs.cost_model import CostModel
+    from envs.simulator import Simulator
+    from policies.path import NormalOnly, PathDecision, PathPolicy
+    from tests.fakes import open_trace
+
+    class ShedOdd(PathPolicy):
+        """Sheds every odd request; the rest take the normal path."""
+
+        def choose(self, q, now_s, ledger):  # type: ignore[no-untyped-def]
+            if q.request_id % 2:
+                return PathDecision("shed", None, None, 0.0, None, "odd", PathReason.SHED)
+            return NormalOnly(FakeCost()).choose(q, now_s, ledger)
+
+    cfg = ClusterConfig(n_prefill=1, n_decode=1)
+    cm = CostModel(cfg.gpu, cfg.model, cfg.tp)
+    trace = open_trace([(0.5 * i, 1000, 20) for i in range(10)])
+    sched = ClusterScheduler(StaticLike(), LeaseLedger(), FakeCost(), path=ShedOdd(), control_interval_s=0.5)
+    res = Simulator(trace, cfg, scheduler=sched, cost_model=cm).run()
+    m = res.metrics
+    assert (m.n_shed, m.n_rejected, m.n_finished) == (5, 0, 5)
+    assert m.slo_attainment == pytest.approx(m.n_slo_met / 10) and m.slo_attainment <= 0.5
+    assert res.requests["error"].str.startswith("shed: ").sum() == 5
+
+
+class StaticLike:
+    ttl_s = 1.0
+
+    def propose(self, state: NodeState) -> object:
+        from policies.lease import LeaseBudgets
+
+        return LeaseBudgets.zero()
