@@ -224,6 +224,17 @@ register_policy(
         source=CROSSFLOW_SOURCE,
     )
 )
+register_policy(
+    PolicySpec(
+        "heuristic-shed",
+        "Crossflow's heuristic with admission control: past capacity, requests no path serves within 2x "
+        "the TTFT SLO are shed (SLO misses)",
+        node="heuristic",
+        path="lease-shed",
+        grid=dict(policy_spec("heuristic").grid),
+        source=CROSSFLOW_SOURCE,
+    )
+)
 
 __all__ = [
     "CROSSFLOW_SOURCE",

@@ -36,6 +36,7 @@ lease holds. See ``docs/leases.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -57,6 +58,8 @@ DEFAULT_BORROW_MARGIN = 0.1
 DEFAULT_TTFT_SHARE = 0.4
 """Under the capacity test a request whose normal-path queue wait exceeds this share of the TTFT SLO
 is offered a lease whatever the pool's load (2 s at the default 5 s SLO)."""
+DEFAULT_SHED_TTFT_FACTOR = 2.0
+"""``lease-shed`` sheds a congested request whose fastest path is estimated past twice the TTFT SLO."""
 DEFAULT_PREFIX_REUSE_SHARE = 0.5
 """A decode node caching at least this share of a prompt is offered it even when the pool is not short."""
 Congestion = Literal["capacity", "wait"]
@@ -307,11 +310,17 @@ def _make_lease_path(
 register_path_policy(
     "lease", _make_lease_path, summary="Crossflow: borrow a lease when congested and faster by a margin"
 )
+register_path_policy(
+    "lease-shed",
+    functools.partial(_make_lease_path, shed_ttft_factor=DEFAULT_SHED_TTFT_FACTOR),
+    summary="Crossflow's lease path with admission control (sheds what misses 2x the TTFT SLO on every path)",
+)
 
 __all__ = [
     "DEFAULT_BORROW_MARGIN",
     "DEFAULT_CONGESTION_WAIT_S",
     "DEFAULT_PREFIX_REUSE_SHARE",
+    "DEFAULT_SHED_TTFT_FACTOR",
     "DEFAULT_TTFT_SHARE",
     "LeasePath",
     "prefill_pool_tokens_per_s",

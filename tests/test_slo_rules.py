@@ -305,3 +305,17 @@ class StaticLike:
         from policies.lease import LeaseBudgets
 
         return LeaseBudgets.zero()
+
+
+def test_heuristic_shed_is_the_heuristic_with_admission_control() -> None:
+    from policies.catalog import make_scheduler, policy_spec
+    from policies.lease_path import DEFAULT_SHED_TTFT_FACTOR
+    from tests.fakes import LinearCostModel
+
+    cfg = ClusterConfig()
+    ctx = PolicyContext(ClusterEstimator(cfg, LinearCostModel()), cfg, ConstantPredictor(1e4))  # type: ignore[arg-type]
+    shed, plain = make_scheduler("heuristic-shed", ctx, {}), make_scheduler("heuristic", ctx, {})
+    assert shed is not None and plain is not None
+    assert shed.path.shed_limit_s == pytest.approx(DEFAULT_SHED_TTFT_FACTOR * cfg.slo_ttft_s)  # type: ignore[attr-defined]
+    assert plain.path.shed_limit_s == float("inf")  # type: ignore[attr-defined]
+    assert policy_spec("heuristic-shed").grid == policy_spec("heuristic").grid
