@@ -40,7 +40,9 @@ class RunMetrics:
     n_finished: int
     n_rejected: int
     """Refused at arrival (beyond the context window with ``context_policy="reject"``, or larger than a
-    worker's KV cache); they leave the SLO denominator and are reported here instead."""
+    worker's KV cache); they leave the SLO denominator and are reported here instead. Requests shed by
+    a path policy's admission control are not counted here: they stay in the denominator as misses
+    (``requests["error"]`` starts with ``envs.sim_state.SHED_ERROR_PREFIX``; ``Counters.shed``)."""
     n_rejected_context: int
     """Of ``n_rejected``: beyond the model's context window."""
     n_compacted: int
@@ -84,9 +86,6 @@ class RunMetrics:
     """Share of requests prefilled on a decode node without a lease (a path policy's ``local``)."""
     local_prefill_tokens: int = 0
     """Prompt tokens those requests computed there."""
-    n_shed: int = 0
-    """Refused at arrival by the path policy's admission control (the cluster past capacity): unlike
-    ``n_rejected`` they stay in the SLO denominator, as misses."""
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -195,9 +194,9 @@ def build_result(sim: Simulator) -> SimResult:
         0.0,
     )
     slo_ok = (ttft <= cfg.slo_ttft_s) & (per_req_itl <= cfg.slo_tpot_s)
+    # shed by admission control (``SHED_ERROR_PREFIX``): SLO misses, so they stay in the denominator
     shed = df["error"].str.startswith(SHED_ERROR_PREFIX)
-    n_shed = int(shed.sum())
-    n_rejected = int((df["error"] != "").sum()) - n_shed
+    n_rejected = int((df["error"] != "").sum()) - int(shed.sum())
     n_eligible = len(sim.reqs) - n_rejected
     paths = np.array([r.path for r in reqs])
     borrowed_tokens = sum(w.borrowed_tokens_total for w in sim.decode)
@@ -240,7 +239,6 @@ def build_result(sim: Simulator) -> SimResult:
         decode_utilisation=float(np.mean(busy_d)),
         local_share=float((paths == LOCAL).mean()) if len(paths) else 0.0,
         local_prefill_tokens=int(sim.counters.local_prefill_tokens),
-        n_shed=n_shed,
     )
     nodes = pd.DataFrame(
         [{"role": "prefill", "index": i, "busy_fraction": b} for i, b in enumerate(busy_p)]

@@ -115,6 +115,8 @@ class Counters:
     finished: int = 0
     rejected: int = 0
     """Requests refused at arrival (beyond the context window, or larger than a worker's KV)."""
+    shed: int = 0
+    """Requests shed at arrival by the path policy's admission control (SLO misses, not rejections)."""
 
 
 @dataclass

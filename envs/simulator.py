@@ -418,7 +418,7 @@ class Simulator:
         query = self._path_query(req, pidx, didx, cached, queued)
         decision = self.scheduler.choose_path(query, self.now_s)
         if decision.path == "shed":  # admission control: an SLO miss, not a rejection
-            self._reject(req, f"{SHED_ERROR_PREFIX}{decision.reason}")
+            self._reject(req, f"{SHED_ERROR_PREFIX}{decision.reason}", shed=True)
             return
         if decision.path == "local":
             self._dispatch_local(req, decision.node_id)
@@ -1140,11 +1140,15 @@ class Simulator:
         else:
             w.waiting.appendleft(req)
 
-    def _reject(self, req: ReqState, reason: str) -> None:
-        """Refuse a request with a reason (as the server would); its session carries on."""
+    def _reject(self, req: ReqState, reason: str, *, shed: bool = False) -> None:
+        """Refuse a request with a reason (as the server would); its session carries on. ``shed``: by
+        admission control (counted in ``Counters.shed``, an SLO miss, not a rejection)."""
         req.error = reason
         self.finished += 1
-        self.counters.rejected += 1
+        if shed:
+            self.counters.shed += 1
+        else:
+            self.counters.rejected += 1
         if self.listener is not None:
             self.listener.on_reject(req)
         self._release_children(req)

@@ -291,9 +291,10 @@ def test_shed_requests_stay_in_the_slo_denominator_as_misses() -> None:
     cm = CostModel(cfg.gpu, cfg.model, cfg.tp)
     trace = open_trace([(0.5 * i, 1000, 20) for i in range(10)])
     sched = ClusterScheduler(StaticLike(), LeaseLedger(), FakeCost(), path=ShedOdd(), control_interval_s=0.5)
-    res = Simulator(trace, cfg, scheduler=sched, cost_model=cm).run()
+    sim = Simulator(trace, cfg, scheduler=sched, cost_model=cm)
+    res = sim.run()
     m = res.metrics
-    assert (m.n_shed, m.n_rejected, m.n_finished) == (5, 0, 5)
+    assert (sim.counters.shed, sim.counters.rejected, m.n_rejected, m.n_finished) == (5, 0, 0, 5)
     assert m.slo_attainment == pytest.approx(m.n_slo_met / 10) and m.slo_attainment <= 0.5
     assert res.requests["error"].str.startswith("shed: ").sum() == 5
 
