@@ -40,7 +40,9 @@ class RunMetrics:
     n_finished: int
     n_rejected: int
     """Refused at arrival (beyond the context window with ``context_policy="reject"``, or larger than a
-    worker's KV cache); they leave the SLO denominator and are reported here instead."""
+    worker's KV cache); they leave the SLO denominator and are reported here instead. Requests shed by
+    a path policy's admission control are not counted here: they stay in the denominator as misses
+    (``requests["error"]`` starts with ``envs.sim_state.SHED_ERROR_PREFIX``; ``Counters.shed``)."""
     n_rejected_context: int
     """Of ``n_rejected``: beyond the model's context window."""
     n_compacted: int
@@ -155,7 +157,7 @@ def _offered_timeline(sim: Simulator, df: pd.DataFrame) -> pd.DataFrame:
 
 def build_result(sim: Simulator) -> SimResult:
     """Collect a finished (or stopped) simulation into records and metrics."""
-    from envs.sim_state import BORROWED, FALLBACK, LOCAL, PATH_NAMES
+    from envs.sim_state import BORROWED, FALLBACK, LOCAL, PATH_NAMES, SHED_ERROR_PREFIX
 
     cfg = sim.config
     reqs = [r for r in sim.reqs if not math.isnan(r.arrival_s)]
@@ -192,7 +194,9 @@ def build_result(sim: Simulator) -> SimResult:
         0.0,
     )
     slo_ok = (ttft <= cfg.slo_ttft_s) & (per_req_itl <= cfg.slo_tpot_s)
-    n_rejected = int((df["error"] != "").sum())
+    # shed by admission control (``SHED_ERROR_PREFIX``): SLO misses, so they stay in the denominator
+    shed = df["error"].str.startswith(SHED_ERROR_PREFIX)
+    n_rejected = int((df["error"] != "").sum()) - int(shed.sum())
     n_eligible = len(sim.reqs) - n_rejected
     paths = np.array([r.path for r in reqs])
     borrowed_tokens = sum(w.borrowed_tokens_total for w in sim.decode)

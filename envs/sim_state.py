@@ -20,6 +20,9 @@ from policies.admission import LeaseTokenBucket
 
 NORMAL, BORROWED, FALLBACK, LOCAL = 0, 1, 2, 3
 PATH_NAMES = ("normal", "borrowed", "fallback", "local")
+SHED_ERROR_PREFIX = "shed: "
+"""``ReqState.error`` of a request the path policy's admission control refused: unlike other refusals
+it stays in the SLO denominator, a miss (``envs.metrics``)."""
 
 
 class ReqState:
@@ -112,6 +115,8 @@ class Counters:
     finished: int = 0
     rejected: int = 0
     """Requests refused at arrival (beyond the context window, or larger than a worker's KV)."""
+    shed: int = 0
+    """Requests shed at arrival by the path policy's admission control (SLO misses, not rejections)."""
 
 
 @dataclass

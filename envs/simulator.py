@@ -67,6 +67,7 @@ from envs.sim_state import (
     BORROWED,
     FALLBACK,
     LOCAL,
+    SHED_ERROR_PREFIX,
     Counters,
     DecodeCacheMatches,
     DecodeWorker,
@@ -117,6 +118,10 @@ class SchedulerHooks(Protocol):
     def granted_prefill_tokens(self, node_id: int, now_s: float) -> float: ...
 
     def local_chunk_tokens(self, node_id: int) -> int: ...
+
+    def borrowed_chunk_tokens(
+        self, node_id: int, decode_batch: int, decode_context_tokens: int
+    ) -> int | None: ...
 
     @property
     def uses_gateway_decode_pick(self) -> bool: ...
@@ -413,6 +418,9 @@ class Simulator:
         queued = self.prefill[pidx].queued_tokens
         query = self._path_query(req, pidx, didx, cached, queued)
         decision = self.scheduler.choose_path(query, self.now_s)
+        if decision.path == "shed":  # admission control: an SLO miss, not a rejection
+            self._reject(req, f"{SHED_ERROR_PREFIX}{decision.reason}", shed=True)
+            return
         if decision.path == "local":
             self._dispatch_local(req, decision.node_id)
             return
@@ -904,8 +912,10 @@ class Simulator:
         w.retracted_tokens += req.input + req.generated
         w.retracted.append(req)
 
-    def _take_borrowed_chunks(self, w: DecodeWorker) -> list[tuple[ReqState, int]]:
-        """Chunks of borrowed prefill to mix into this iteration, paid from the node's token bucket.
+    def _take_borrowed_chunks(self, w: DecodeWorker, batch: int, ctx: int) -> list[tuple[ReqState, int]]:
+        """Chunks of borrowed prefill to mix into this iteration (beside ``batch`` decoding requests with
+        ``ctx`` tokens of context), paid from the node's token bucket, at most the node policy's chunk
+        for that batch.
 
         Started tasks continue; a task not yet started re-checks the node with the scheduler first and
         waits while decode requests wait for room (decode always wins). With too little credit for a
@@ -913,8 +923,12 @@ class Simulator:
         if not w.borrowed or self.scheduler is None:
             return []
         cfg = self.config
+        limit = self.scheduler.borrowed_chunk_tokens(w.idx, batch, ctx)
+        max_chunk = cfg.prefill_chunk_tokens
+        if limit is not None:  # the policy's chunk within its ITL budget; started work still progresses
+            max_chunk = max(self._min_chunk_tokens(w), min(limit, max_chunk))
         budget = borrowed_chunk_tokens(
-            min(w.bucket.available_tokens(self.now_s), cfg.prefill_chunk_tokens),
+            min(w.bucket.available_tokens(self.now_s), max_chunk),
             self._borrowed_remaining(w),
             self._min_chunk_tokens(w),
         )
@@ -1039,7 +1053,7 @@ class Simulator:
         ctx = sum(r.context for r in w.running if not r.needs_recompute)
         fixed_s, per_ctx_s = self._decode_linear(batch) if batch else (0.0, 0.0)
         decode_step = fixed_s + ctx * per_ctx_s if batch else 0.0
-        prefill.extend(self._take_borrowed_chunks(w))
+        prefill.extend(self._take_borrowed_chunks(w, batch, ctx))
         prefill.extend(self._take_local_chunks(w))
         if batch == 0 and not prefill:
             w.busy = False
@@ -1158,11 +1172,15 @@ class Simulator:
         else:
             w.waiting.appendleft(req)
 
-    def _reject(self, req: ReqState, reason: str) -> None:
-        """Refuse a request with a reason (as the server would); its session carries on."""
+    def _reject(self, req: ReqState, reason: str, *, shed: bool = False) -> None:
+        """Refuse a request with a reason (as the server would); its session carries on. ``shed``: by
+        admission control (counted in ``Counters.shed``, an SLO miss, not a rejection)."""
         req.error = reason
         self.finished += 1
-        self.counters.rejected += 1
+        if shed:
+            self.counters.shed += 1
+        else:
+            self.counters.rejected += 1
         if self.listener is not None:
             self.listener.on_reject(req)
         self._release_children(req)
@@ -1211,6 +1229,13 @@ class Simulator:
         decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n)) if n else 0.0
         recent = w.step_time_ns * 1e-9 / w.step_count if w.step_count else 0.0
         recent_decode_only = w.decode_only_ns * 1e-9 / w.step_count if w.step_count else 0.0
+        # KV pre-allocated here for requests still on a prefill worker's queue (not decoding yet)
+        waiting_kv = waiting_output = 0
+        for pw in self.prefill:
+            for r in pw.queue:
+                if r.bootstrapped and r.decode_worker == w.idx:
+                    waiting_kv += r.kv_held
+                    waiting_output += r.output
         return NodeState(
             node_id=w.idx,
             time_s=self.now_s,
@@ -1230,6 +1255,8 @@ class Simulator:
             decode_only_step_time_s=decode_only,
             recent_decode_only_step_time_s=recent_decode_only,
             max_running_requests=self.config.max_running_requests,
+            kv_prealloc_waiting_tokens=waiting_kv,
+            prealloc_waiting_output_tokens=waiting_output,
         )
 
     def node_states(self) -> list[NodeState]:

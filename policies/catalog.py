@@ -220,7 +220,18 @@ register_policy(
         "Crossflow: leases sized by the interference model, borrowed on congestion when faster",
         node="heuristic",
         path="lease",
-        grid={"node.ttl_s": (2.0, 8.0), "node.margin": (0.8, 1.0), "scheduler.itl_guard": (1.25, None)},
+        grid={"node.ttl_s": (2.0, 8.0), "node.margin": (0.8, 1.0), "scheduler.itl_guard": ("slo", None)},
+        source=CROSSFLOW_SOURCE,
+    )
+)
+register_policy(
+    PolicySpec(
+        "heuristic-shed",
+        "Crossflow's heuristic with admission control: past capacity, requests no path serves within 2x "
+        "the TTFT SLO are shed (SLO misses)",
+        node="heuristic",
+        path="lease-shed",
+        grid=dict(policy_spec("heuristic").grid),
         source=CROSSFLOW_SOURCE,
     )
 )

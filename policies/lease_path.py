@@ -3,7 +3,21 @@ lease is faster by a margin; otherwise the normal path.
 
 Rule, per request:
 
-1. Not congested (the normal path's queue wait is at most ``congestion_wait_s``): normal.
+1. Not congested: normal. With the default capacity test (``congestion="capacity"``) the prefill pool
+   counts as short of capacity when either this request's queue wait on the normal path exceeds
+   ``ttft_share`` of the TTFT SLO (its own first token is at risk), or the prefill work arriving
+   (uncached tokens per second over the last ``arrival_window_s``, decayed exponentially) exceeds
+   what the pool computes per second (``n_prefill`` workers at the cost estimate's rate for full
+   chunks) and the request would wait more than ``congestion_wait_s`` (the backlog grows, so every
+   later request waits longer). Below capacity a queue drains by itself and borrowing would only
+   trade the decode pool's ITL for TTFT the SLO does not ask for. With ``congestion="wait"`` (the
+   older rule) any queue wait above ``congestion_wait_s`` counts.
+
+   1b. Decode-side prefix reuse (``prefix_reuse_share``, when decode nodes keep a prefix cache): an
+   uncongested request is still offered the leases of the decode nodes that cache at least that share
+   of its prompt (a later turn of a conversation whose earlier turns decoded there). There it
+   prefills only the suffix and needs no KV transfer, so rules 2 and 3 usually find it faster than
+   the normal path, which moves the whole prompt's KV.
 2. For each decode node whose live lease has a task slot and prefill budget left, the best way to run
    the request there: compute everything not cached on the node, or first pull the longer prefix
    cached on the prefill worker. Its estimate is the node's queued borrowed tokens at the lease's
@@ -11,6 +25,10 @@ Rule, per request:
    option must fit what the lease still has (``LeaseLedger.available``) on every budget.
 3. Borrow on the fastest option if it beats the normal path's estimate by ``borrow_margin``,
    reserving on the ledger (the next fastest within the margin if the reservation fails).
+4. Admission control (``shed_ttft_factor``): a congested request whose fastest path (normal, or any
+   lease that can hold it) is estimated past ``shed_ttft_factor x`` the TTFT SLO is shed: refused at
+   arrival, counted as an SLO miss (it stays in the SLO denominator, ``envs.metrics``) and never as
+   served work. Past capacity, serving it would only push every request behind it past the SLO too.
 
 The reservation is what makes the choice binding: concurrent decisions can never take more than a
 lease holds. See ``docs/leases.md``.
@@ -18,7 +36,10 @@ lease holds. See ``docs/leases.md``.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 from policies.context import CostEstimator, PolicyContext
 from policies.lease import LeaseBudgets
@@ -34,6 +55,14 @@ from policies.path import (
 
 DEFAULT_CONGESTION_WAIT_S = 0.2
 DEFAULT_BORROW_MARGIN = 0.1
+DEFAULT_TTFT_SHARE = 0.4
+"""Under the capacity test a request whose normal-path queue wait exceeds this share of the TTFT SLO
+is offered a lease whatever the pool's load (2 s at the default 5 s SLO)."""
+DEFAULT_SHED_TTFT_FACTOR = 2.0
+"""``lease-shed`` sheds a congested request whose fastest path is estimated past twice the TTFT SLO."""
+DEFAULT_PREFIX_REUSE_SHARE = 0.5
+"""A decode node caching at least this share of a prompt is offered it even when the pool is not short."""
+Congestion = Literal["capacity", "wait"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +80,12 @@ class LeasePath(PathPolicy):
         congestion_wait_s: the prefill pool counts as congested when the normal path's queue wait
             exceeds this; below it every request takes the normal path.
         borrow_margin: borrow only if ``est_borrow_s <= est_normal_s * (1 - borrow_margin)``.
+        congestion: ``"capacity"`` (the capacity test of the module docstring) or ``"wait"``.
+        slo_ttft_s, ttft_share: the capacity test's per-request wait limit, ``ttft_share x slo_ttft_s``.
+        pool_tokens_per_s: the prefill pool's rate for the capacity test (required with it).
+        arrival_window_s: time constant of the arriving-work rate (default: the TTFT SLO).
+        prefix_reuse_share: decode-side prefix reuse (module docstring, rule 1b); ``None``: off.
+        shed_ttft_factor: admission control (module docstring, rule 4); ``None``: off.
     """
 
     uses_leases = True
@@ -61,13 +96,83 @@ class LeasePath(PathPolicy):
         *,
         congestion_wait_s: float = DEFAULT_CONGESTION_WAIT_S,
         borrow_margin: float = DEFAULT_BORROW_MARGIN,
+        congestion: Congestion = "wait",
+        slo_ttft_s: float = math.inf,
+        ttft_share: float = DEFAULT_TTFT_SHARE,
+        pool_tokens_per_s: float = 0.0,
+        arrival_window_s: float | None = None,
+        prefix_reuse_share: float | None = None,
+        shed_ttft_factor: float | None = None,
     ) -> None:
         super().__init__()
+        if shed_ttft_factor is not None and not (shed_ttft_factor >= 1 and slo_ttft_s < math.inf):
+            raise ValueError(
+                "shed_ttft_factor must be >= 1 with a finite slo_ttft_s, "
+                f"got {shed_ttft_factor!r}, {slo_ttft_s!r}"
+            )
+        self.shed_limit_s = math.inf if shed_ttft_factor is None else shed_ttft_factor * slo_ttft_s
+        if prefix_reuse_share is not None and not 0 < prefix_reuse_share <= 1:
+            raise ValueError(f"prefix_reuse_share must be in (0, 1] or None, got {prefix_reuse_share!r}")
+        self.prefix_reuse_share = prefix_reuse_share
         if congestion_wait_s < 0 or not 0 <= borrow_margin < 1:
             raise ValueError("congestion_wait_s must be >= 0 and borrow_margin in [0, 1)")
+        if congestion not in ("capacity", "wait"):
+            raise ValueError(f"congestion must be 'capacity' or 'wait', got {congestion!r}")
+        if congestion == "capacity":
+            window_s = slo_ttft_s if arrival_window_s is None else arrival_window_s
+            if not (pool_tokens_per_s > 0 and slo_ttft_s > 0 and 0 < ttft_share and 0 < window_s < math.inf):
+                raise ValueError(
+                    "the capacity test needs pool_tokens_per_s > 0, slo_ttft_s > 0, ttft_share > 0 and a "
+                    f"finite arrival_window_s > 0 (got {pool_tokens_per_s!r}, {slo_ttft_s!r}, "
+                    f"{ttft_share!r}, {window_s!r})"
+                )
+            self.arrival_window_s = window_s
         self.cost = cost
         self.congestion_wait_s = congestion_wait_s
         self.borrow_margin = borrow_margin
+        self.congestion = congestion
+        self.wait_limit_s = ttft_share * slo_ttft_s
+        self.pool_tokens_per_s = pool_tokens_per_s
+        self._arrived_tokens = 0.0
+        self._arrived_s = -math.inf
+
+    def arrival_tokens_per_s(self) -> float:
+        """Prefill work arriving (uncached tokens per second, decayed over ``arrival_window_s``), as of
+        the last request seen."""
+        return self._arrived_tokens / self.arrival_window_s
+
+    def _note_arrival(self, q: PathQuery, now_s: float) -> None:
+        if self._arrived_s > -math.inf and now_s > self._arrived_s:
+            self._arrived_tokens *= math.exp(-(now_s - self._arrived_s) / self.arrival_window_s)
+        self._arrived_tokens += q.normal_uncached_tokens
+        self._arrived_s = max(self._arrived_s, now_s)
+
+    def prefix_nodes(self, q: PathQuery, nodes: list[int]) -> list[int]:
+        """Of ``nodes``, those whose decode prefix cache holds at least ``prefix_reuse_share`` of the
+        prompt (empty when the share is ``None`` or the decode nodes keep no cache)."""
+        if self.prefix_reuse_share is None or not q.decode_cached_tokens:
+            return []
+        need = self.prefix_reuse_share * q.input_tokens
+        return [n for n in nodes if q.decode_cached_tokens.get(n, 0) >= need]
+
+    def congestion_reason(self, q: PathQuery, now_s: float) -> str | None:
+        """Why the prefill pool is short of capacity for ``q`` (borrowing may help), or ``None``. Under
+        the capacity test every call counts ``q`` as arrived work, so call it once per request."""
+        wait_s = q.normal_queue_wait_s
+        if self.congestion == "wait":
+            if wait_s <= self.congestion_wait_s:
+                return None
+            return f"queue wait {wait_s:.3f} s > {self.congestion_wait_s} s"
+        self._note_arrival(q, now_s)
+        if wait_s > self.wait_limit_s:
+            return f"queue wait {wait_s:.3f} s > {self.wait_limit_s:.3f} s of the TTFT SLO"
+        rate = self.arrival_tokens_per_s()
+        if rate > self.pool_tokens_per_s and wait_s > self.congestion_wait_s:
+            return (
+                f"arriving {rate:.0f} tok/s > pool's {self.pool_tokens_per_s:.0f} tok/s, "
+                f"queue wait {wait_s:.3f} s"
+            )
+        return None
 
     def _borrow_option(
         self, q: PathQuery, node_id: int, now_s: float, ledger: LeaseLedger
@@ -108,12 +213,24 @@ class LeasePath(PathPolicy):
 
     def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> PathDecision:
         est_normal_s = normal_path_estimate_s(self.cost, q)
-        if q.normal_queue_wait_s <= self.congestion_wait_s:
-            reason = f"not congested (queue wait {q.normal_queue_wait_s:.3f} s <= {self.congestion_wait_s} s)"
-            return PathDecision("normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED)
-        options = [
-            o for n in ledger.node_ids() if (o := self._borrow_option(q, n, now_s, ledger)) is not None
-        ]
+        congested = self.congestion_reason(q, now_s)
+        nodes = ledger.node_ids()
+        if congested is None:
+            nodes = self.prefix_nodes(q, nodes)
+            if not nodes:
+                reason = f"not congested (queue wait {q.normal_queue_wait_s:.3f} s)"
+                return PathDecision(
+                    "normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED
+                )
+        options = [o for n in nodes if (o := self._borrow_option(q, n, now_s, ledger)) is not None]
+        if congested is not None and self.shed_limit_s < math.inf:
+            best_any_s = min([est_normal_s, *(o.est_s for o in options)])
+            if best_any_s > self.shed_limit_s:
+                reason = (
+                    f"shed: {congested}; fastest path {best_any_s:.3f} s > {self.shed_limit_s:.3f} s "
+                    "(the TTFT SLO cannot be met)"
+                )
+                return PathDecision("shed", None, None, est_normal_s, None, reason, PathReason.SHED)
         if not options:
             return PathDecision(
                 "normal",
@@ -159,16 +276,52 @@ class LeasePath(PathPolicy):
         )
 
 
+def prefill_pool_tokens_per_s(ctx: PolicyContext) -> float:
+    """What the cluster's prefill pool computes per second: its workers at the cost estimate's rate for
+    full chunks of fresh prompts."""
+    chunk = ctx.cluster.prefill_chunk_tokens
+    return ctx.cluster.n_prefill * chunk / ctx.cost.prefill_time_s(chunk)
+
+
 def _make_lease_path(
     ctx: PolicyContext,
     congestion_wait_s: float = DEFAULT_CONGESTION_WAIT_S,
     borrow_margin: float = DEFAULT_BORROW_MARGIN,
+    congestion: Congestion = "capacity",
+    ttft_share: float = DEFAULT_TTFT_SHARE,
+    arrival_window_s: float | None = None,
+    prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
+    shed_ttft_factor: float | None = None,
 ) -> LeasePath:
-    return LeasePath(ctx.cost, congestion_wait_s=congestion_wait_s, borrow_margin=borrow_margin)
+    return LeasePath(
+        ctx.cost,
+        congestion_wait_s=congestion_wait_s,
+        borrow_margin=borrow_margin,
+        congestion=congestion,
+        slo_ttft_s=ctx.cluster.slo_ttft_s,
+        ttft_share=ttft_share,
+        pool_tokens_per_s=prefill_pool_tokens_per_s(ctx) if congestion == "capacity" else 0.0,
+        arrival_window_s=arrival_window_s,
+        prefix_reuse_share=prefix_reuse_share,
+        shed_ttft_factor=shed_ttft_factor,
+    )
 
 
 register_path_policy(
     "lease", _make_lease_path, summary="Crossflow: borrow a lease when congested and faster by a margin"
 )
+register_path_policy(
+    "lease-shed",
+    functools.partial(_make_lease_path, shed_ttft_factor=DEFAULT_SHED_TTFT_FACTOR),
+    summary="Crossflow's lease path with admission control (sheds what misses 2x the TTFT SLO on every path)",
+)
 
-__all__ = ["DEFAULT_BORROW_MARGIN", "DEFAULT_CONGESTION_WAIT_S", "LeasePath"]
+__all__ = [
+    "DEFAULT_BORROW_MARGIN",
+    "DEFAULT_CONGESTION_WAIT_S",
+    "DEFAULT_PREFIX_REUSE_SHARE",
+    "DEFAULT_SHED_TTFT_FACTOR",
+    "DEFAULT_TTFT_SHARE",
+    "LeasePath",
+    "prefill_pool_tokens_per_s",
+]

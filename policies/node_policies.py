@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from policies.context import PolicyContext, Registry
+from policies.context import CostEstimator, PolicyContext, Registry
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
-from policies.slo import DEFAULT_TPOT_SLO_S
+from policies.slo import DEFAULT_ITL_BUDGET_SHARE, DEFAULT_TPOT_SLO_S, itl_budget_s
 
 
 @runtime_checkable
@@ -141,6 +141,18 @@ class HeuristicPolicy:
     * decode work: ``tasks x decode_tokens_per_task``; transfer: ``transfer_tokens_per_s x ttl_s``
       capped by the KV budget (pulled KV must fit).
 
+    With an ITL budget (``itl_budget_s``, the default: a share of the TPOT SLO, ``policies.slo``) the
+    node also caps each iteration's borrowed chunk at the largest one whose mixed iteration with its
+    running batch stays within the budget by the cost estimator (``borrowed_chunk_tokens``), and lends
+    nothing when not even the smallest chunk fits.
+
+    With ``discount_prealloc_kv`` the KV watermark (pressure and budget) leaves out the KV that SGLang's
+    decode pre-allocation holds for requests still waiting for their prefill
+    (``NodeState.kv_prealloc_waiting_tokens``), and the budget keeps room for those requests' expected
+    output instead: that KV is not growing and lending compute does not touch it, while counting it
+    stops a node lending exactly when the prefill pool is most behind (``docs/compare.md``). The KV a
+    borrowed request takes is still only ever real free KV.
+
     If the prefill or task budget comes out zero the proposal is zero (a lease nobody can use).
     """
 
@@ -163,6 +175,15 @@ class HeuristicPolicy:
     decode_tokens_per_task: int = 8192
     transfer_tokens_per_s: float = 262144.0
     """Share of the node's KV-transfer link offered to pulled prefixes."""
+    itl_budget_s: float | None = None
+    """Longest iteration with borrowed prefill mixed in (seconds); ``None``: no per-iteration budget
+    (chunks are then the cluster's prefill chunk). Needs ``cost``."""
+    cost: CostEstimator | None = None
+    """Iteration timing that sizes the chunk within ``itl_budget_s``."""
+    max_chunk_tokens: int = 8192
+    """Largest borrowed chunk one iteration takes (the cluster's ``prefill_chunk_tokens``)."""
+    discount_prealloc_kv: bool = False
+    """Leave pre-allocated KV of requests still waiting for prefill out of the KV watermark."""
 
     def __post_init__(self) -> None:
         _check_positive("HeuristicPolicy", itl_target_s=self.itl_target_s, ttl_s=self.ttl_s)
@@ -178,6 +199,12 @@ class HeuristicPolicy:
             )
         if not callable(getattr(self.predictor, "safe_prefill_tokens_per_s", None)):
             raise TypeError("HeuristicPolicy.predictor must have a safe_prefill_tokens_per_s(...) method")
+        if self.itl_budget_s is not None:
+            _check_positive("HeuristicPolicy", itl_budget_s=self.itl_budget_s)
+            if self.cost is None:
+                raise ValueError("HeuristicPolicy.itl_budget_s needs a cost estimator (cost=...)")
+        if self.max_chunk_tokens < 1:
+            raise ValueError(f"HeuristicPolicy.max_chunk_tokens must be >= 1, got {self.max_chunk_tokens!r}")
 
     def decode_pressure(self, state: NodeState) -> str | None:
         """Why decode needs the whole node now, or ``None``. Any reason forces a zero lease."""
@@ -186,10 +213,26 @@ class HeuristicPolicy:
             itl_target_s=self.itl_target_s,
             kv_high_watermark=self.kv_high_watermark,
             batch_high_fraction=self.batch_high_fraction,
+            discount_prealloc_kv=self.discount_prealloc_kv,
         )
+
+    def borrowed_chunk_tokens(self, decode_batch: int, decode_context_tokens: int) -> int | None:
+        """Borrowed prefill tokens one iteration of the node may take with a running batch of
+        ``decode_batch`` requests (``decode_context_tokens`` of KV in all): the largest chunk whose mixed
+        iteration stays within ``itl_budget_s`` (``None``: no budget, no limit). Asked before every
+        iteration, since requests join the batch between control intervals."""
+        if self.itl_budget_s is None or self.cost is None:
+            return None
+        chunk, _ = largest_chunk_within(
+            self.cost, decode_batch, decode_context_tokens, self.itl_budget_s, self.max_chunk_tokens
+        )
+        return chunk
 
     def propose(self, state: NodeState) -> LeaseBudgets:
         if self.decode_pressure(state) is not None:
+            return LeaseBudgets.zero()
+        batch = state.decode_batch_size
+        if self.borrowed_chunk_tokens(batch, int(state.context_tokens_mean * batch)) == 0:
             return LeaseBudgets.zero()
         safe_tokens_per_s = predict_safe(self.predictor, state)
         return headroom_budgets(
@@ -201,24 +244,68 @@ class HeuristicPolicy:
             kv_high_watermark=self.kv_high_watermark,
             transfer_tokens_per_s=self.transfer_tokens_per_s,
             decode_tokens_per_task=self.decode_tokens_per_task,
+            discount_prealloc_kv=self.discount_prealloc_kv,
         )
 
 
 def decode_pressure_reason(
-    state: NodeState, *, itl_target_s: float, kv_high_watermark: float, batch_high_fraction: float
+    state: NodeState,
+    *,
+    itl_target_s: float,
+    kv_high_watermark: float,
+    batch_high_fraction: float,
+    discount_prealloc_kv: bool = False,
 ) -> str | None:
     """Why decode needs the whole node now, or ``None`` (decode always wins): decode requests queued
-    for admission, KV occupancy above the watermark, a batch near ``max_running_requests``, or the
+    for admission, KV occupancy above the watermark (without the KV pre-allocated for requests still
+    waiting for prefill, with ``discount_prealloc_kv``), a batch near ``max_running_requests``, or the
     recent step above the ITL target. Shared by every lending policy."""
     if state.queued_decode_requests > 0:
         return f"{state.queued_decode_requests} decode request(s) queued for admission"
-    if state.kv_occupancy > kv_high_watermark:
-        return f"KV occupancy {state.kv_occupancy:.3f} above watermark {kv_high_watermark}"
+    occupancy = state.kv_decoding_occupancy if discount_prealloc_kv else state.kv_occupancy
+    if occupancy > kv_high_watermark:
+        return f"KV occupancy {occupancy:.3f} above watermark {kv_high_watermark}"
     if state.decode_batch_size >= batch_high_fraction * state.max_running_requests:
         return f"batch {state.decode_batch_size} near max_running_requests {state.max_running_requests}"
     if state.recent_step_time_s > itl_target_s:
         return f"recent step {state.recent_step_time_s:.4f} s above ITL target {itl_target_s} s"
     return None
+
+
+CHUNK_GRANULARITY_TOKENS = 64
+"""Chunks within a step budget are sized in steps of this many tokens (the bisection's resolution)."""
+
+
+def largest_chunk_within(
+    cost: CostEstimator,
+    decode_batch: int,
+    decode_context_tokens: int,
+    step_target_s: float,
+    max_chunk_tokens: int,
+) -> tuple[int, float]:
+    """``(chunk tokens, mixed iteration time)`` of the largest prefill chunk (at most
+    ``max_chunk_tokens``, in steps of ``CHUNK_GRANULARITY_TOKENS``) whose iteration mixed with a decode
+    batch of ``decode_batch`` requests (``decode_context_tokens`` of KV in all) takes at most
+    ``step_target_s`` by ``cost.mixed_step_time_s``. ``(0, 0.0)`` when even the smallest chunk breaks
+    the target; an empty batch has no decode to protect and takes ``max_chunk_tokens``. The step time
+    grows with the chunk, so bisection finds the largest."""
+
+    def step(c: int) -> float:
+        return cost.mixed_step_time_s(c, decode_batch, decode_context_tokens)
+
+    if decode_batch == 0:
+        return max_chunk_tokens, step(max_chunk_tokens)
+    smallest = min(CHUNK_GRANULARITY_TOKENS, max_chunk_tokens)
+    if step(smallest) > step_target_s:
+        return 0, 0.0
+    if step(max_chunk_tokens) <= step_target_s:
+        return max_chunk_tokens, step(max_chunk_tokens)
+    # bisect in units of CHUNK_GRANULARITY_TOKENS: step(lo units) is within the target, hi's is not
+    lo, hi = 1, -(-max_chunk_tokens // CHUNK_GRANULARITY_TOKENS)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if step(mid * CHUNK_GRANULARITY_TOKENS) <= step_target_s else (lo, mid)
+    return lo * CHUNK_GRANULARITY_TOKENS, step(lo * CHUNK_GRANULARITY_TOKENS)
 
 
 def predict_safe(predictor: SafePrefillPredictor, state: NodeState) -> float:
@@ -245,12 +332,15 @@ def headroom_budgets(
     kv_high_watermark: float,
     transfer_tokens_per_s: float,
     decode_tokens_per_task: int,
+    discount_prealloc_kv: bool = False,
 ) -> LeaseBudgets:
     """New headroom from a safe prefill rate, net of the borrowed work ``state`` already shows.
 
     prefill: ``share x safe rate x ttl_s`` minus queued borrowed tokens; tasks: ``max_tasks`` minus
     borrowed tasks, within the free decode slots; KV: free KV minus the running requests' remaining
-    output not covered by reservations, never past ``kv_high_watermark``; transfer: the link share over
+    output not covered by reservations, never past ``kv_high_watermark`` (with ``discount_prealloc_kv``
+    the watermark leaves out KV pre-allocated for requests waiting for prefill, and the budget keeps
+    room for their expected output instead); transfer: the link share over
     the TTL, within the KV budget; decode work: ``tasks x decode_tokens_per_task``. Zero when the
     prefill or task budget would be zero (a lease nobody can use). Shared by the heuristic and the RL
     policy, which differ only in how they pick ``share`` and ``max_tasks``.
@@ -264,9 +354,13 @@ def headroom_budgets(
         return LeaseBudgets.zero()
     # KV must keep room for the running requests' remaining output beyond their reservations.
     output_need = state.decode_batch_size * state.remaining_output_tokens_mean
+    counted_used = state.kv_used_tokens
+    if discount_prealloc_kv:
+        output_need += state.prealloc_waiting_output_tokens
+        counted_used -= state.kv_prealloc_waiting_tokens
     uncovered_output = max(0, math.ceil(output_need) - state.kv_reserved_tokens)
     below_watermark = int(kv_high_watermark * state.kv_capacity_tokens) - (
-        state.kv_used_tokens + state.kv_reserved_tokens
+        counted_used + state.kv_reserved_tokens
     )
     kv = max(0, min(state.kv_free_tokens - uncovered_output, below_watermark))
     return LeaseBudgets(
@@ -276,6 +370,28 @@ def headroom_budgets(
         decode_tokens=tasks * decode_tokens_per_task,
         tasks=tasks,
     )
+
+
+def make_heuristic(
+    ctx: PolicyContext,
+    predictor: SafePrefillPredictor,
+    *,
+    itl_budget_share: float | None = DEFAULT_ITL_BUDGET_SHARE,
+    **params: Any,
+) -> HeuristicPolicy:
+    """The heuristic on ``ctx``'s cluster with ``predictor``: ITL target the TPOT SLO, ITL budget
+    ``itl_budget_share`` of it (``None``: no budget), chunks at most the cluster's prefill chunk, the
+    cost estimator sizing them; ``params`` override any ``HeuristicPolicy`` field."""
+    defaults: dict[str, Any] = {
+        "itl_target_s": ctx.cluster.slo_tpot_s,
+        "cost": ctx.cost,
+        "max_chunk_tokens": ctx.cluster.prefill_chunk_tokens,
+        "itl_budget_s": None
+        if itl_budget_share is None
+        else itl_budget_s(ctx.cluster.slo_tpot_s, itl_budget_share),
+        "discount_prealloc_kv": True,
+    }
+    return HeuristicPolicy(predictor, **{**defaults, **params})
 
 
 # ---- registry -------------------------------------------------------------------------------------
@@ -295,9 +411,7 @@ def _default_registry() -> NodePolicyRegistry:
     )
     registry.register(
         "heuristic",
-        lambda ctx, **params: HeuristicPolicy(
-            ctx.require_predictor("heuristic"), **{"itl_target_s": ctx.cluster.slo_tpot_s, **params}
-        ),
+        lambda ctx, **params: make_heuristic(ctx, ctx.require_predictor("heuristic"), **params),
         needs_predictor=True,
         summary="lends what the interference model predicts is safe, with a margin",
     )

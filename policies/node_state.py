@@ -47,6 +47,19 @@ class NodeState:
     """Requests queued or prefilling here without a lease (a path policy's ``local`` decisions)."""
     local_prefill_tokens_queued: int = 0
     """Uncomputed prefill tokens of those requests."""
+    kv_prealloc_waiting_tokens: int = 0
+    """Of ``kv_used_tokens``, the KV pre-allocated here (SGLang's decode pre-allocation) for requests
+    whose prefill on a prefill worker has not finished: held, but not decoding and not growing until
+    their KV has arrived (0 when the reporter does not know)."""
+    prealloc_waiting_output_tokens: int = 0
+    """Expected output tokens of those requests: the KV they will grow by once they decode."""
+
+    @property
+    def kv_decoding_occupancy(self) -> float:
+        """KV occupancy without the pre-allocated KV of requests still waiting for their prefill."""
+        if not self.kv_capacity_tokens:
+            return 1.0
+        return (self.kv_used_tokens - self.kv_prealloc_waiting_tokens) / self.kv_capacity_tokens
 
     @property
     def kv_occupancy(self) -> float:

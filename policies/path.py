@@ -29,7 +29,7 @@ from policies.context import CostEstimator, PolicyContext, Registry
 from policies.ledger import LeaseLedger
 from policies.node_state import NodeState
 
-PathName = Literal["normal", "borrow", "local"]
+PathName = Literal["normal", "borrow", "local", "shed"]
 
 
 class PathReason(StrEnum):
@@ -48,6 +48,7 @@ class PathReason(StrEnum):
     LOCAL_FASTER = "local beats the prefill path"
     LOCAL_NOT_FASTER = "local does not beat the prefill path"
     NO_NODE_STATE = "no decode node state yet"
+    SHED = "shed: past capacity, no path meets the TTFT SLO"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class PathQuery:
 class PathDecision:
     path: PathName
     node_id: int | None
-    """Decode node of a ``borrow`` or ``local`` decision; ``None`` for ``normal``."""
+    """Decode node of a ``borrow`` or ``local`` decision; ``None`` for ``normal`` and ``shed``."""
     reservation_id: int | None
     """The ledger reservation of a ``borrow`` decision; ``None`` otherwise."""
     est_normal_s: float
@@ -120,9 +121,9 @@ class PathDecision:
     code: PathReason = PathReason.NORMAL_ONLY
 
     def __post_init__(self) -> None:
-        if self.path == "normal" and (self.node_id is not None or self.reservation_id is not None):
-            raise ValueError("a normal PathDecision has no node_id and no reservation_id")
-        if self.path != "normal" and self.node_id is None:
+        if self.path in ("normal", "shed") and (self.node_id is not None or self.reservation_id is not None):
+            raise ValueError(f"a {self.path} PathDecision has no node_id and no reservation_id")
+        if self.path in ("borrow", "local") and self.node_id is None:
             raise ValueError(f"a {self.path} PathDecision needs a node_id")
         if (self.path == "borrow") != (self.reservation_id is not None):
             raise ValueError("exactly the borrow PathDecisions carry a reservation_id")

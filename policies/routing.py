@@ -232,6 +232,7 @@ class UniformMatches(Mapping[int, int]):
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
+
 TreeSizeFn = Callable[[int], int]
 """``worker index -> tokens in the router's tree for that worker`` (only the legacy rule asks)."""
 

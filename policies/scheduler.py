@@ -42,6 +42,8 @@ _STATE_KEY = attrgetter(*(f.name for f in fields(NodeState) if f.name != "time_s
 """A node state's fields apart from its clock, as a tuple (what a node policy may read)."""
 
 ArrivalVerdict = Literal["run", "pause", "fallback"]
+CHUNK_CONTEXT_BUCKET_TOKENS = 1024
+"""Borrowed chunks are sized for the decode batch's mean context rounded up to a multiple of this."""
 
 
 class ClusterScheduler:
@@ -56,11 +58,13 @@ class ClusterScheduler:
         control_interval_s: how often ``on_control_interval`` is called; every policy's ``ttl_s`` must
             be at least this, or leases would lapse between intervals.
         congestion_wait_s, borrow_margin: the default path policy's (``policies.lease_path``).
-        itl_guard: cap on the decode pool's ITL inflation, the token-weighted mean step time over the
-            decode-only step time, ``sum(batch x recent step) / sum(batch x decode-only step)``
-            (smoothed over intervals). While above it every new lease's prefill budget is halved each
-            interval; below it the scale recovers by 0.1 per interval. Per-node policies bound each
-            node's mixed step; this bounds what the users of the whole pool see. ``None``: off.
+        itl_guard: the ITL guard. ``"slo"`` (default): each node against its policy's absolute ITL
+            budget (``itl_budget_s``, a share of the TPOT SLO, ``policies.slo``): while the node's
+            recent mean step exceeds the budget its new leases' prefill budget is halved each
+            interval, below it the node's scale recovers by 0.1 per interval (a node whose policy has
+            no budget is not guarded). A number ``>= 1``: the older relative guard, a cap on the
+            decode pool's ITL inflation ``sum(batch x recent step) / sum(batch x decode-only step)``
+            (smoothed over intervals) acting on every lease at once the same way. ``None``: off.
         max_records: decision/event records kept (oldest dropped first).
     """
 
@@ -74,7 +78,7 @@ class ClusterScheduler:
         control_interval_s: float = DEFAULT_CONTROL_INTERVAL_S,
         congestion_wait_s: float | None = None,
         borrow_margin: float | None = None,
-        itl_guard: float | None = 1.25,
+        itl_guard: float | Literal["slo"] | None = "slo",
         max_records: int = 10_000,
     ) -> None:
         if not control_interval_s > 0:
@@ -91,8 +95,14 @@ class ClusterScheduler:
             )
         elif congestion_wait_s is not None or borrow_margin is not None:
             raise ValueError("congestion_wait_s and borrow_margin belong to the path policy; pass them to it")
-        if itl_guard is not None and not itl_guard >= 1.0:
-            raise ValueError(f"itl_guard must be >= 1 (a ratio of step times) or None, got {itl_guard!r}")
+        if (
+            itl_guard is not None
+            and itl_guard != "slo"
+            and not (isinstance(itl_guard, int | float) and itl_guard >= 1.0)
+        ):
+            raise ValueError(
+                f"itl_guard must be 'slo', a ratio of step times >= 1, or None, got {itl_guard!r}"
+            )
         policies = policy.values() if isinstance(policy, Mapping) else [policy]
         for p in policies:
             if p.ttl_s < control_interval_s:
@@ -108,7 +118,14 @@ class ClusterScheduler:
         """The path policy every ``choose_path`` asks."""
         self.itl_guard = itl_guard
         self.lend_scale = 1.0
-        """Share of each policy's prefill headroom currently lent (the ITL guard's control variable)."""
+        """Share of each policy's prefill headroom currently lent (the relative ITL guard's control
+        variable)."""
+        self.node_scale: dict[int, float] = {}
+        """Per node, the share of its prefill headroom currently lent (the SLO guard's control
+        variable; 1 when absent)."""
+        self._chunk_tokens: dict[tuple[int, int, int], int | None] = {}
+        """``(node, batch, context bucket) -> chunk``: the node policies' borrowed chunk sizes asked so
+        far (a pure function of those, so remembered)."""
         self.itl_inflation = 1.0
         """Smoothed ITL inflation of the decode pool (see ``itl_guard``)."""
         self.records: deque[dict[str, Any]] = deque(maxlen=max_records)
@@ -149,10 +166,9 @@ class ClusterScheduler:
             for state in sorted(states, key=lambda s: s.node_id):
                 policy = self.policy_for(state.node_id)
                 headroom = self._propose(policy, state)
-                if self.lend_scale < 1.0 and not headroom.is_zero():
-                    headroom = replace(
-                        headroom, prefill_tokens=int(headroom.prefill_tokens * self.lend_scale)
-                    )
+                scale = self.lend_scale * self.node_scale.get(state.node_id, 1.0)
+                if scale < 1.0 and not headroom.is_zero():
+                    headroom = replace(headroom, prefill_tokens=int(headroom.prefill_tokens * scale))
                 pressure = self._decode_pressure(policy, state, headroom)
                 if pressure is not None:
                     node_revoked = self.ledger.revoke(state.node_id, now_s)
@@ -215,6 +231,15 @@ class ClusterScheduler:
     def _update_itl_guard(self, states: Sequence[NodeState]) -> None:
         if self.itl_guard is None:
             return
+        if self.itl_guard == "slo":
+            for s in states:
+                budget_s = getattr(self.policy_for(s.node_id), "itl_budget_s", None)
+                if budget_s is None:
+                    continue
+                scale = self.node_scale.get(s.node_id, 1.0)
+                over = s.recent_step_time_s > budget_s
+                self.node_scale[s.node_id] = scale * 0.5 if over else min(1.0, scale + 0.1)
+            return
         mixed = decode_only = 0.0
         for s in states:
             # the same iterations without prefill when the node reports it, else the current batch's step
@@ -255,6 +280,25 @@ class ClusterScheduler:
             if decision is not None:
                 self._record_decision("reconsider", q, decision, now_s)
             return decision
+
+    def borrowed_chunk_tokens(
+        self, node_id: int, decode_batch: int, decode_context_tokens: int
+    ) -> int | None:
+        """Borrowed prefill tokens the next iteration of ``node_id`` may take beside its running batch of
+        ``decode_batch`` requests (``decode_context_tokens`` of KV in all), as its node policy sizes them
+        within its ITL budget; ``None``: the policy sets no limit. The context is rounded up to
+        ``CHUNK_CONTEXT_BUCKET_TOKENS`` per request (the conservative side) and answers are remembered."""
+        policy = self.policy_for(node_id)
+        chunk_fn = getattr(policy, "borrowed_chunk_tokens", None)
+        if chunk_fn is None:
+            return None
+        per_request = CHUNK_CONTEXT_BUCKET_TOKENS * decode_batch
+        bucket = -(-decode_context_tokens // per_request) if per_request else 0
+        key = (node_id, decode_batch, bucket)
+        with self._lock:
+            if key not in self._chunk_tokens:
+                self._chunk_tokens[key] = chunk_fn(decode_batch, bucket * per_request)
+            return self._chunk_tokens[key]
 
     def local_chunk_tokens(self, node_id: int) -> int:
         """Prefill tokens of unleased (``local``) requests one iteration of ``node_id`` may mix in."""

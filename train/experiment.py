@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from envs import datasheet  # noqa: F401  (registers the heuristic-datasheet policy)
 from envs.arrivals import poisson_retime, sample_sessions, subset
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
@@ -163,17 +164,19 @@ class Point:
     def deployment_suffix(self) -> str:
         """``|dtype=fp8|ep=8`` for the precision/parallelism fields that differ from their defaults
         (and ``|decode_cache`` when decode workers keep a prefix cache)."""
-        return "".join(
-            f"|{k}={v}"
-            for k, v in (
-                ("dtype", self.dtype),
-                ("kv_dtype", self.kv_dtype),
-                ("ep", self.ep),
-                ("dp", self.dp_attention),
+        return (
+            "".join(
+                f"|{k}={v}"
+                for k, v in (
+                    ("dtype", self.dtype),
+                    ("kv_dtype", self.kv_dtype),
+                    ("ep", self.ep),
+                    ("dp", self.dp_attention),
+                )
+                if v not in (None, 1)
             )
-            if v not in (None, 1)
-        ) + ("|decode_cache" if self.decode_prefix_cache else "") + "".join(
-            f"|{k}={v}" for k, v in self.cluster_overrides
+            + ("|decode_cache" if self.decode_prefix_cache else "")
+            + "".join(f"|{k}={v}" for k, v in self.cluster_overrides)
         )
 
     def cost_model(self) -> CostModel:

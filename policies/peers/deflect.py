@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from policies.catalog import PolicySpec, register_policy
 from policies.context import ClusterView, CostEstimator, PolicyContext
 from policies.ledger import LeaseLedger
+from policies.node_policies import largest_chunk_within
 from policies.node_state import NodeState
 from policies.path import (
     PathDecision,
@@ -37,8 +38,6 @@ from policies.path import (
 )
 
 SOURCE = "arXiv:2607.02043 (reconstructed from the abstract; no public code)"
-CHUNK_GRANULARITY_TOKENS = 64
-"""Chunks are sized in steps of this many tokens (the bisection's resolution)."""
 
 
 class Deflect(PathPolicy):
@@ -77,24 +76,13 @@ class Deflect(PathPolicy):
 
     def largest_chunk(self, state: NodeState) -> tuple[int, float]:
         """``(chunk tokens, mixed iteration time)`` of the largest chunk within the step target."""
-        batch = state.decode_batch_size
-        context = int(state.context_tokens_mean * batch)
-
-        def step(c: int) -> float:
-            return self.cost.mixed_step_time_s(c, batch, context)
-
-        if batch == 0:
-            return self.max_chunk_tokens, step(self.max_chunk_tokens)
-        if step(CHUNK_GRANULARITY_TOKENS) > self.step_target_s:
-            return 0, 0.0
-        if step(self.max_chunk_tokens) <= self.step_target_s:
-            return self.max_chunk_tokens, step(self.max_chunk_tokens)
-        # bisect in units of CHUNK_GRANULARITY_TOKENS: step(lo units) is within the target, hi's is not
-        lo, hi = 1, -(-self.max_chunk_tokens // CHUNK_GRANULARITY_TOKENS)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if step(mid * CHUNK_GRANULARITY_TOKENS) <= self.step_target_s else (lo, mid)
-        return lo * CHUNK_GRANULARITY_TOKENS, step(lo * CHUNK_GRANULARITY_TOKENS)
+        return largest_chunk_within(
+            self.cost,
+            state.decode_batch_size,
+            int(state.context_tokens_mean * state.decode_batch_size),
+            self.step_target_s,
+            self.max_chunk_tokens,
+        )
 
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         super().observe(now_s, states)
