@@ -82,3 +82,24 @@ def test_tune_evaluate_measures_the_shipped_values_on_the_evaluation_side(
     assert doc["traces"]["mooncake"].startswith("mooncake")
     row = doc["policies"]["dynamo-load"]
     assert [g["params"] for g in row["grid"]] == [tuned_params("dynamo-load")]
+
+
+def test_tune_update_replaces_only_the_named_policies(tmp_path: Path) -> None:
+    from train.tune import merge_update
+
+    out = tmp_path / "tuned.json"
+    base = ["tune", "--traces", "mooncake", "--jobs", "1", "--max-requests", "40", "--out", str(out)]
+    assert main([*base, "--policies", "llmd-prefix,trtllm-local"]) == 0
+    first = json.loads(out.read_text())
+    assert main([*base, "--policies", "llmd-prefix", "--update"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["policies"]["trtllm-local"] == first["policies"]["trtllm-local"]  # left alone
+    assert doc["policies"]["llmd-prefix"]["command"].endswith("--update")
+    assert [u["policies"] for u in doc["updates"]] == [["llmd-prefix"]]
+    # a run on other subsets cannot update the file, and nothing is written
+    other = [*base, "--max-requests", "30", "--policies", "llmd-prefix", "--update"]  # the last flag wins
+    assert main(other) == 2
+    assert json.loads(out.read_text()) == doc
+    changed = {**first, "static": {"mooncake": {**first["static"]["mooncake"], "load": 9.0}}}
+    with pytest.raises(ValueError, match="static's capacity on 'mooncake' changed"):
+        merge_update(doc, changed)

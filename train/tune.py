@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from envs.cluster_config import parse_shape
-from policies.catalog import TUNED_FILE, TUNED_FORMAT, policy_names, policy_spec, tuned_params
+from policies.catalog import TUNED_FILE, TUNED_FORMAT, load_tuned, policy_names, policy_spec, tuned_params
 from train.cli_types import positive_int
 from train.compare import DEFAULT_SUBSET, same_gpu_splits, time_cap_s, trace_for
 from train.experiment import Point, run_point
@@ -320,6 +320,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="measure the shipped tuned values' capacity at SLO on compare's evaluation subsets instead "
         "(writes --out, default runs/capacity.json; the tuned file is left alone)",
     )
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only these policies' entries in the existing tuned file (same traces, subsets, "
+        "cluster and seed; each replaced entry records its own command)",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel searches")
     p.add_argument("--out", default=None, help="where to write the tuned values (default: the shipped file)")
     p.set_defaults(func=_run)
@@ -359,11 +365,75 @@ def spec_from_args(args: argparse.Namespace) -> TuneSpec:
     )
 
 
+_UPDATE_KEYS = (
+    "traces",
+    "model",
+    "gpu",
+    "shape",
+    "seed",
+    "decode_prefix_cache",
+    "side",
+    "max_requests",
+    "max_sessions",
+)
+"""Spec fields a ``--update`` must share with the file it updates (everything but the policies)."""
+
+
+def _updatable(path: Path, spec: TuneSpec) -> dict[str, Any]:
+    """The tuned file ``--update`` rewrites, checked before any search: it exists and was tuned on the
+    same traces, subsets, cluster and seed (errors name the file and the field)."""
+    if spec.side != "development":
+        raise ValueError("--update applies to tuning, not to --evaluate")
+    doc = load_tuned(path)
+    if not doc:
+        raise ValueError(f"{path}: no tuned file to update")
+    old = doc.get("spec", {})
+    new = asdict(spec)
+    for key in _UPDATE_KEYS:
+        if old.get(key) != (list(new[key]) if isinstance(new[key], tuple) else new[key]):
+            raise ValueError(f"{path}: field 'spec.{key}' is {old.get(key)!r}, this run has {new[key]!r}")
+    return doc
+
+
+def merge_update(previous: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``previous`` with the policies of ``update`` replaced; each replaced entry carries the command and
+    time that produced it, and ``updates`` lists every such run. Static's capacities must agree (the
+    same searches on the same traces), else the two runs are not comparable and this raises."""
+    for trace, row in update["static"].items():
+        if not math.isclose(row["load"], previous["static"][trace]["load"], rel_tol=1e-9):
+            raise ValueError(
+                f"static's capacity on {trace!r} changed ({previous['static'][trace]['load']:.4g} -> "
+                f"{row['load']:.4g}): the code under static changed, re-tune every policy"
+            )
+    merged = dict(previous)
+    merged["policies"] = dict(previous["policies"])
+    for name, entry in update["policies"].items():
+        merged["policies"][name] = {
+            **entry,
+            "command": update["command"],
+            "created_utc": update["created_utc"],
+        }
+    merged["updates"] = [
+        *previous.get("updates", []),
+        {
+            "command": update["command"],
+            "created_utc": update["created_utc"],
+            "policies": sorted(update["policies"]),
+            "wall_s": update["wall_s"],
+        },
+    ]
+    merged["spec"] = {**previous["spec"], "policies": sorted(merged["policies"])}
+    return merged
+
+
 def _run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     command = "crossflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     out = Path(args.out or (TUNED_FILE if spec.side == "development" else "runs/capacity.json"))
+    previous = _updatable(out, spec) if args.update else None
     result = run_tune(spec, jobs=args.jobs, command=command)
+    if previous is not None:
+        result = merge_update(previous, result)
     write_json(out, result, indent=1)
     print(f"tune: {len(spec.policies)} policies ({spec.side} side) in {result['wall_s']:.0f} s -> {out}")
     for t, s in result["static"].items():
