@@ -133,7 +133,12 @@ def _cap(policy: str, shape: str, seed: int, load: float, threshold: float = 0.9
 
 def test_hindsight_split_picks_the_best_capacity_per_seed() -> None:
     spec = GridSpec(
-        policies=("static", "hindsight-split"), traces=("t",), models=("m",), shapes=("1P2D",), seeds=2
+        policies=("static", "hindsight-split"),
+        traces=("t",),
+        models=("m",),
+        shapes=("1P2D",),
+        seeds=2,
+        splits=("heldout",),
     )
     caps = [
         _cap("static", "1P2D", 0, 1.0),

@@ -45,8 +45,11 @@ from envs.splits import ALL, SIDES
 from policies.catalog import describe_params, policy_names, policy_spec
 from policies.slo import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
 from train import bound, report
+from train.cli_fields import add_field, resolve, show
+from train.cli_types import non_negative_int, positive_int
 from train.experiment import (
     DEFAULT_SESSION_RATE_PER_S,
+    DEFAULT_TP,
     OPEN_LOOP_ARRIVALS,
     Point,
     default_tp,
@@ -84,6 +87,8 @@ DEFAULT_SPLITS: tuple[str, ...] = ("heldout",)
 FULL_SPLITS: tuple[str, ...] = ("heldout", "dev")
 DEFAULT_SUBSET = {"agent": 60, "mooncake": 1000, "mooncake-synthetic": 1000, "azure-code": 1000}
 """Default grid: first N sessions (agent) or requests (open-loop) of the split side."""
+FILE_SUBSET = 1000
+"""A trace file (not bundled): first N requests (open loop) or sessions (closed loop)."""
 
 FULL_TRACES = ("agent", "mooncake")
 FULL_MODELS = ("gpt-oss-120b", "glm-5")
@@ -112,12 +117,19 @@ class GridSpec:
     latency_loads: tuple[float, ...] = LATENCY_LOADS
     throughput_loads: tuple[float, ...] = THROUGHPUT_LOADS
     gpu: str = "H200"
+    tp: int | None = None
+    """Tensor-parallel degree per worker of every model (None: the per-model default,
+    ``train.experiment.DEFAULT_TP``)."""
     max_requests: int | None = None
+    """Open-loop traces: replay the first N requests of each side (None: the per-trace subset)."""
+    max_sessions: int | None = None
+    """Closed-loop (agent session) traces: replay the first N sessions of each side (None: the subset)."""
     seed: int = 0
     """First seed; the grid runs ``seed, seed + 1, ..., seed + seeds - 1``."""
     seeds: int = DEFAULT_SEEDS
-    splits: tuple[str, ...] = DEFAULT_SPLITS
-    """Split sides (``envs.splits``): ``heldout``, ``dev`` or ``all``."""
+    splits: tuple[str, ...] | None = None
+    """Split sides (``envs.splits``): ``heldout``, ``dev`` or ``all``. None: ``DEFAULT_SPLITS`` (``--full``:
+    ``FULL_SPLITS``) for bundled traces and ``all`` for trace files, which have no shared split."""
     full: bool = False
     interference_model: str | None = None
     """Artifact folder for heuristic/rl (None: the shipped default per model)."""
@@ -135,6 +147,14 @@ class GridSpec:
     decode_prefix_cache: bool = False
     """Decode workers keep a radix prefix cache, for every policy (``Point.decode_prefix_cache``)."""
 
+    def __post_init__(self) -> None:
+        if self.max_workers < 2:
+            raise ValueError(f"--max-workers must be >= 2, got {self.max_workers}")
+        for name in ("seeds", "max_requests", "max_sessions", "tp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
     def model_options(self) -> dict[str, Any]:
         return model_options(self)
 
@@ -143,9 +163,23 @@ class GridSpec:
         return {**model_options(self), "decode_prefix_cache": self.decode_prefix_cache}
 
     def subset(self, trace: str) -> int | None:
-        if self.max_requests is not None:
-            return self.max_requests
-        return (FULL_SUBSET if self.full else DEFAULT_SUBSET).get(trace, 1000)
+        """How many units of ``trace`` each side replays: sessions of a closed-loop trace
+        (``max_sessions``), requests of an open-loop one (``max_requests``), else the per-trace subset."""
+        given = self.max_sessions if is_closed_loop(trace) else self.max_requests
+        if given is not None:
+            return given
+        return (FULL_SUBSET if self.full else DEFAULT_SUBSET).get(trace, FILE_SUBSET)
+
+    def splits_for(self, trace: str) -> tuple[str, ...]:
+        """The split sides ``trace`` runs on (see ``splits``)."""
+        if self.splits is not None:
+            return self.splits
+        if not is_bundled(trace):
+            return (ALL,)
+        return FULL_SPLITS if self.full else DEFAULT_SPLITS
+
+    def resolved_tp(self, model: str) -> int:
+        return self.tp if self.tp is not None else default_tp(model)
 
     def seed_list(self) -> tuple[int, ...]:
         return tuple(range(self.seed, self.seed + self.seeds))
@@ -160,6 +194,7 @@ class GridSpec:
             trace=combo.trace,
             model=combo.model,
             gpu=self.gpu,
+            tp=self.tp,
             shape=shape,
             load=load,
             max_requests=self.subset(combo.trace),
@@ -470,7 +505,7 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
     folder = (
         Path(spec.interference_model)
         if spec.interference_model
-        else (DATA_DIR / artifact_slug(spec.gpu, model, default_tp(model)))
+        else (DATA_DIR / artifact_slug(spec.gpu, model, spec.resolved_tp(model)))
     )
     if not (folder / "metadata.json").is_file():
         needing = [p for p in spec.policies if policy_spec(p).needs_predictor]
@@ -582,7 +617,37 @@ def _expected_cost(job: Any) -> float:
 
 
 def combos(spec: GridSpec) -> list[Combo]:
-    return [Combo(t, m, s) for t in spec.traces for m in spec.models for s in spec.splits]
+    return [Combo(t, m, s) for t in spec.traces for m in spec.models for s in spec.splits_for(t)]
+
+
+def is_bundled(trace: str) -> bool:
+    from envs.traces import BUNDLED_TRACES
+
+    return trace in BUNDLED_TRACES
+
+
+@functools.lru_cache(maxsize=32)
+def _loaded(trace: str) -> Trace:
+    from envs.traces import load_trace
+
+    return load_trace(trace)
+
+
+def is_closed_loop(trace: str) -> bool:
+    """Whether bundled trace or trace file ``trace`` is closed loop (agent sessions); loads it once."""
+    return _loaded(trace).closed_loop
+
+
+def describe_traces(spec: GridSpec) -> list[str]:
+    """One line per trace: what a side replays and which split sides run (printed before the grid)."""
+    lines = []
+    for t in spec.traces:
+        n = spec.subset(t)
+        unit, flag = ("sessions", "--max-sessions") if is_closed_loop(t) else ("requests", "--max-requests")
+        sides = ",".join(spec.splits_for(t))
+        origin = "bundled" if is_bundled(t) else "file, no shared dev/held-out split"
+        lines.append(f"{t} ({origin}): first {n} {unit} ({flag}) of split side(s) {sides} (--splits)")
+    return lines
 
 
 def run_compare(
@@ -646,6 +711,8 @@ def run_compare(
         "grid": {
             **asdict(spec),
             "subsets": {t: spec.subset(t) for t in spec.traces},
+            "subset_units": {t: "sessions" if is_closed_loop(t) else "requests" for t in spec.traces},
+            "splits_run": {t: list(spec.splits_for(t)) for t in spec.traces},
             "seed_list": list(seeds),
         },
         "jobs": jobs,
@@ -971,7 +1038,8 @@ def _positive(text: str) -> float:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``crossflow compare``."""
+    """Register ``crossflow compare``: every grid flag's default and help default come from ``GridSpec``
+    (``train.cli_fields``), so ``--help`` says what a run without the flag does."""
     p = sub.add_parser(
         "compare",
         help="static PD vs lease policies in the latency and capacity regimes, over seeds, with a bound",
@@ -980,67 +1048,64 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "that serve each trace, a fluid upper bound and the best split in hindsight; write results.json, "
         "report.md and plots into a run folder. See docs/compare.md.",
     )
-    p.add_argument(
-        "--policies", type=_csv(str), default=None, help="default: static,heuristic,hindsight-split"
-    )
-    p.add_argument(
-        "--traces", type=_csv(str), default=None, help="default: mooncake (--full: agent,mooncake)"
-    )
-    p.add_argument("--models", type=_csv(str), default=None, help="default: gpt-oss-120b")
-    p.add_argument("--shapes", type=_csv(_shape), default=None, help="default: 2P4D")
-    p.add_argument(
-        "--latency-loads",
-        type=_csv(_positive),
-        default=None,
-        help="latency regime, fractions of static saturation (default: 0.25,0.5,0.75,1)",
-    )
-    p.add_argument(
-        "--throughput-loads",
-        type=_csv(_positive),
-        default=None,
-        help="capacity regime, overload points as fractions of static saturation (default: 1.5,2,3)",
-    )
-    p.add_argument("--gpu", default="H200")
-    p.add_argument(
-        "--max-requests",
-        type=int,
-        default=None,
-        help="first N sessions (agent) / requests (others) of every trace side (default: per-trace subset)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    p.add_argument(
-        "--seeds",
-        type=int,
-        default=None,
-        help=f"seeds per point (default {DEFAULT_SEEDS}; --full {FULL_SEEDS})",
-    )
-    p.add_argument(
-        "--splits",
-        type=_csv(_split),
-        default=None,
-        help="split sides of the bundled traces: heldout, dev, all (default: heldout; --full: heldout,dev)",
-    )
-    p.add_argument(
-        "--slo-ttft", type=_positive, default=DEFAULT_TTFT_SLO_S, metavar="S", help="TTFT SLO, s (5)"
-    )
-    p.add_argument(
-        "--slo-tpot",
-        type=_positive,
-        default=DEFAULT_TPOT_SLO_S,
-        metavar="S",
-        help="TPOT SLO, s per token (0.05)",
-    )
-    p.add_argument(
-        "--arrivals",
-        choices=OPEN_LOOP_ARRIVALS,
-        default="poisson",
-        help="open-loop traces: per-seed Poisson re-timing at the per-minute rate (default) or the recording",
-    )
+    G = GridSpec
+    add_field(p, G, "policies", "--policies", type=_csv(str), help="policies (catalog names)")
+    add_field(
+        p, G, "traces", "--traces", type=_csv(str), alt=("--full", FULL_TRACES),
+        help="bundled trace names or trace files of any supported format (envs/traces.py)",
+    )  # fmt: skip
+    add_field(p, G, "models", "--models", type=_csv(str), alt=("--full", FULL_MODELS), help="served models")
+    add_field(p, G, "shapes", "--shapes", type=_csv(_shape), alt=("--full", FULL_SHAPES), help="xPyD shapes")
+    add_field(
+        p, G, "latency_loads", "--latency-loads", type=_csv(_positive),
+        help="latency regime, fractions of static saturation",
+    )  # fmt: skip
+    add_field(
+        p, G, "throughput_loads", "--throughput-loads", type=_csv(_positive),
+        help="capacity regime, overload points as fractions of static saturation",
+    )  # fmt: skip
+    add_field(p, G, "gpu", "--gpu", help="GPU of every worker")
+    add_field(
+        p, G, "tp", "--tp", type=positive_int, default_text="per model: "
+        + ", ".join(f"{m} {t}" for m, t in DEFAULT_TP.items()), help="tensor-parallel degree per worker",
+    )  # fmt: skip
+    subset_text = ", ".join(f"{t} {n}" for t, n in DEFAULT_SUBSET.items() if t != "agent")
+    add_field(
+        p, G, "max_requests", "--max-requests", type=positive_int,
+        default_text=f"{subset_text}, a trace file {FILE_SUBSET}; --full: "
+        + ", ".join(f"{t} {n}" for t, n in FULL_SUBSET.items() if t != "agent"),
+        help="open-loop traces: replay the first N requests of each split side",
+    )  # fmt: skip
+    add_field(
+        p, G, "max_sessions", "--max-sessions", type=positive_int,
+        default_text=f"agent {DEFAULT_SUBSET['agent']} (--full: {FULL_SUBSET['agent']}), a trace file "
+        f"{FILE_SUBSET}",
+        help="closed-loop (agent session) traces: replay the first N sessions of each split side",
+    )  # fmt: skip
+    add_field(p, G, "seed", "--seed", type=non_negative_int, help="first seed")
+    add_field(p, G, "seeds", "--seeds", type=positive_int, alt=("--full", FULL_SEEDS), help="seeds per point")
+    add_field(
+        p, G, "splits", "--splits", type=_csv(_split),
+        default_text=f"bundled traces {show(DEFAULT_SPLITS)} (--full: {show(FULL_SPLITS)}), trace files "
+        f"{ALL} (they have no shared split; a side of a file is split by the same hash of its path)",
+        help="split sides: heldout, dev, all",
+    )  # fmt: skip
+    add_field(p, G, "slo_ttft_s", "--slo-ttft", type=_positive, metavar="S", help="TTFT SLO, s")
+    add_field(p, G, "slo_tpot_s", "--slo-tpot", type=_positive, metavar="S", help="TPOT SLO, s per token")
+    add_field(
+        p, G, "open_loop_arrivals", "--arrivals", choices=OPEN_LOOP_ARRIVALS,
+        help="open-loop traces: per-seed Poisson re-timing at the per-minute rate, or the recording",
+    )  # fmt: skip
     p.add_argument("--no-gpus-needed", action="store_true", help="skip the fewest-GPUs search")
-    p.add_argument(
-        "--max-workers", type=int, default=DEFAULT_MAX_WORKERS, help="largest cluster the GPUs search tries"
+    add_field(
+        p, G, "max_workers", "--max-workers", type=positive_int, help="largest cluster the GPUs search tries"
     )
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=min(2, os.cpu_count() or 1),
+        help="parallel simulations (default: min(2, CPUs))",
+    )
     p.add_argument("--out", default=None, help="run folder (default: runs/compare-<UTC timestamp>)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write results.json here")
     p.add_argument(
@@ -1049,17 +1114,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="paper-style grid: agent and mooncake x gpt-oss-120b and glm-5 x 2P4D, 4P2D, 1P5D, both split "
         "sides, 5 seeds (explicit flags still override)",
     )
-    p.add_argument(
-        "--decode-prefix-cache",
-        action="store_true",
+    add_field(
+        p, G, "decode_prefix_cache", "--decode-prefix-cache", action="store_true",
         help="decode workers keep a radix prefix cache, for every policy (as the shipped tuning did)",
-    )
-    p.add_argument(
-        "--interference-model",
-        default=None,
-        metavar="DIR",
-        help="artifact folder for heuristic/rl (default: the shipped one per model)",
-    )
+    )  # fmt: skip
+    add_field(
+        p, G, "interference_model", "--interference-model", metavar="DIR",
+        default_text="the shipped one per model", help="artifact folder for heuristic/rl",
+    )  # fmt: skip
     p.add_argument("--no-wandb", action="store_true", help="do not log W&B runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_arguments(p)
@@ -1069,32 +1131,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> GridSpec:
     full = bool(args.full)
-    if args.max_requests is not None and args.max_requests < 1:
-        raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    if args.seeds is not None and args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.max_workers < 2:
-        raise ValueError(f"--max-workers must be >= 2, got {args.max_workers}")
+    alts = {"traces": FULL_TRACES, "models": FULL_MODELS, "shapes": FULL_SHAPES, "seeds": FULL_SEEDS}
     return GridSpec(
-        policies=args.policies or DEFAULT_POLICIES,
-        traces=args.traces or (FULL_TRACES if full else DEFAULT_TRACES),
-        models=args.models or (FULL_MODELS if full else DEFAULT_MODELS),
-        shapes=args.shapes or (FULL_SHAPES if full else DEFAULT_SHAPES),
-        latency_loads=args.latency_loads or LATENCY_LOADS,
-        throughput_loads=args.throughput_loads or THROUGHPUT_LOADS,
+        policies=args.policies,
+        **{name: resolve(args, GridSpec, name, value, full) for name, value in alts.items()},
+        latency_loads=args.latency_loads,
+        throughput_loads=args.throughput_loads,
         gpu=args.gpu,
+        tp=args.tp,
         max_requests=args.max_requests,
+        max_sessions=args.max_sessions,
         seed=args.seed,
-        seeds=args.seeds or (FULL_SEEDS if full else DEFAULT_SEEDS),
-        splits=args.splits or (FULL_SPLITS if full else DEFAULT_SPLITS),
+        splits=args.splits,
         full=full,
         decode_prefix_cache=bool(args.decode_prefix_cache),
         interference_model=args.interference_model,
-        slo_ttft_s=args.slo_ttft,
-        slo_tpot_s=args.slo_tpot,
-        open_loop_arrivals=args.arrivals,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_s=args.slo_tpot_s,
+        open_loop_arrivals=args.open_loop_arrivals,
         gpus_needed=not args.no_gpus_needed,
         max_workers=args.max_workers,
         **model_options(args),
@@ -1112,10 +1166,18 @@ def check_names(spec: GridSpec) -> None:
     if "static" not in spec.policies:
         raise ValueError("--policies: must include static (every change is measured against it)")
     for trace in spec.traces:
-        if trace not in BUNDLED_TRACES:
-            raise ValueError(f"--traces: unknown bundled trace {trace!r}; known: {sorted(BUNDLED_TRACES)}")
+        if trace not in BUNDLED_TRACES and not Path(trace).is_file():
+            raise ValueError(
+                f"--traces: {trace!r} is neither a bundled trace ({', '.join(BUNDLED_TRACES)}) nor a file"
+            )
+        try:
+            _loaded(trace)  # a malformed file fails here, naming file and line, before anything runs
+        except ValueError as exc:
+            raise ValueError(f"--traces: {exc}") from None
     for model in spec.models:
-        check_model(model, gpu=spec.gpu, tp=default_tp(model), model_flag="--models", **spec.model_options())
+        check_model(
+            model, gpu=spec.gpu, tp=spec.resolved_tp(model), model_flag="--models", **spec.model_options()
+        )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -1127,9 +1189,9 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}")
     if not args.no_wandb:
         wandb_log.default_to_offline()
-    command = (
-        "crossflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "crossflow compare"
-    )
+    command = "crossflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or ["compare"])
+    for line in describe_traces(spec):
+        print(f"compare: {line}", file=sys.stderr)
     results = run_compare(
         spec, out, jobs=args.jobs, progress=not args.no_progress, use_wandb=not args.no_wandb, command=command
     )

@@ -671,10 +671,15 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
     seeds = grid["seed_list"]
     lines = [f"# Crossflow compare: {results['run_id']}", "", f"Command: `{results['command']}`", ""]
     lines += [
-        f"Grid: policies {', '.join(grid['policies'])}; traces {', '.join(grid['traces'])} "
-        f"(split sides: {', '.join(grid['splits'])}); models {', '.join(grid['models'])}; shapes "
+        f"Grid: policies {', '.join(grid['policies'])}; traces "
+        + ", ".join(
+            f"{t} (split sides {','.join(grid['splits_run'][t])}, first {grid['subsets'][t]} "
+            f"{grid['subset_units'][t]})"
+            for t in grid["traces"]
+        )
+        + f"; models {', '.join(grid['models'])}; shapes "
         f"{', '.join(grid['shapes'])}; latency loads {_loads(grid['latency_loads'])} and throughput loads "
-        f"{_loads(grid['throughput_loads'])} x static saturation; subsets {grid['subsets']}; "
+        f"{_loads(grid['throughput_loads'])} x static saturation; "
         f"**{len(seeds)} seed(s)** ({', '.join(map(str, seeds))}); open-loop arrivals "
         f"{grid['open_loop_arrivals']}; SLO: TTFT <= {grid['slo_ttft_s']:g} s and TPOT <= "
         f"{1e3 * grid['slo_tpot_s']:g} ms for >= {100 * results['slo_share_target']:.0f} % of requests. "
