@@ -6,6 +6,7 @@ Every subcommand that produces figures takes ``--json PATH`` and writes them mac
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -91,6 +92,20 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     add_field(
         p, P, "slo_tpot_s", "--slo-tpot", type=positive_float, metavar="S", help="TPOT SLO, s per token"
     )
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a dotted policy parameter over the tuned values, e.g. node.ttl_s=4 (repeatable)",
+    )
+    p.add_argument(
+        "--max-sim-time",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="stop the simulation at S simulated seconds, unfinished requests stay so (compare's time cap)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
     p.add_argument(
         "--requests-out",
@@ -168,9 +183,8 @@ def point_from_args(args: argparse.Namespace) -> Any:
     """The ``train.experiment.Point`` a ``crossflow simulate`` command line runs (checks that the trace
     exists and that ``--max-requests`` / ``--max-sessions`` fit its kind, naming the flag)."""
     from envs.traces import load_trace
-    from train.experiment import Point
-
     from policies.catalog import policy_spec
+    from train.experiment import Point
 
     policy_spec(args.policy)  # an unknown name fails before the trace is read
     trace = load_trace(args.trace)
@@ -192,7 +206,7 @@ def point_from_args(args: argparse.Namespace) -> Any:
                 "counts sessions)",
                 file=sys.stderr,
             )
-    params: tuple[tuple[str, Any], ...] = ()
+    params: tuple[tuple[str, Any], ...] = tuple(_policy_param(text) for text in args.policy_param)
     if args.rl_policy is not None:
         from policies.rl_policy import load_artifact
 
@@ -201,7 +215,7 @@ def point_from_args(args: argparse.Namespace) -> Any:
                 f"--rl-policy: needs --policy rl (or a policy whose node policy is rl), not {args.policy!r}"
             )
         load_artifact(args.rl_policy)  # validated before anything runs
-        params = (("node.artifact", str(args.rl_policy)),)
+        params = (*params, ("node.artifact", str(args.rl_policy)))
     return Point(
         policy=args.policy,
         trace=args.trace,
@@ -220,9 +234,70 @@ def point_from_args(args: argparse.Namespace) -> Any:
         open_loop_arrivals=args.open_loop_arrivals,
         slo_ttft_s=args.slo_ttft_s,
         slo_tpot_s=args.slo_tpot_s,
-        policy_params=params,
+        policy_params=tuple(sorted(dict(params).items())),
         **model_options(args),
     )
+
+
+def _policy_param(text: str) -> tuple[str, Any]:
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--policy-param: expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare string
+
+
+def simulate_command(
+    point: Any, *, artifact_dir: str | None = None, max_sim_time_s: float | None = None
+) -> str:
+    """The ``crossflow simulate`` command line that runs ``point`` alone (``point_from_args`` of its
+    arguments gives ``point`` back); ``artifact_dir`` and ``max_sim_time_s`` as compare ran it."""
+    import json
+    import shlex
+
+    from envs.cluster_config import ClusterConfig
+    from envs.traces import load_trace
+    from train.experiment import MAX_THINK_S, Point
+
+    if point.max_think_s != MAX_THINK_S:
+        raise ValueError("simulate has no flag for Point.max_think_s")
+    d = Point()
+    argv = ["simulate", "--trace", point.trace, "--policy", point.policy, "--model", point.model]
+    argv += ["--gpu", point.gpu, "--shape", point.shape, "--load", repr(float(point.load))]
+    argv += ["--seed", str(point.seed)]
+    if point.tp is not None:
+        argv += ["--tp", str(point.tp)]
+    if point.max_requests is not None:
+        closed = load_trace(point.trace).closed_loop
+        argv += ["--max-sessions" if closed else "--max-requests", str(point.max_requests)]
+    optional = (
+        ("session_rate_per_s", "--session-rate"), ("rate_curve", "--rate-curve"), ("dtype", "--dtype"),
+        ("kv_dtype", "--kv-dtype"), ("ep", "--ep"), ("dp_attention", "--dp-attention"), ("split", "--split"),
+        ("open_loop_arrivals", "--arrivals"), ("slo_ttft_s", "--slo-ttft"), ("slo_tpot_s", "--slo-tpot"),
+    )  # fmt: skip
+    for name, flag in optional:
+        value = getattr(point, name)
+        if value != getattr(d, name):
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    for name, value in point.cluster_overrides:
+        if value != getattr(ClusterConfig(), name):
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    if point.decode_prefix_cache:
+        argv.append("--decode-prefix-cache")
+    for key, value in point.policy_params:
+        if key == "node.artifact":
+            argv += ["--rl-policy", str(value)]
+        else:
+            argv += ["--policy-param", f"{key}={json.dumps(value)}"]
+    if artifact_dir is not None:
+        argv += ["--interference-model", artifact_dir]
+    if max_sim_time_s is not None:
+        argv += ["--max-sim-time", repr(float(max_sim_time_s))]
+    return "crossflow " + " ".join(shlex.quote(a) for a in argv)
 
 
 def sessions_holding(trace: Any, n_requests: int) -> int:
@@ -268,7 +343,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--requests-out: {args.requests_out} is a folder; give a file such as requests.parquet"
         )
-    result = run_point(point, progress=not args.no_progress, predictor=predictor, trace=trace)
+    result = run_point(
+        point,
+        progress=not args.no_progress,
+        predictor=predictor,
+        trace=trace,
+        max_time_s=args.max_sim_time if args.max_sim_time is not None else math.inf,
+    )
     rows = metric_rows(result.metrics.to_dict()) + node_rows(result.nodes.to_dict(orient="records"))
     cfg = result.config
     deployment = describe_deployment(spec, args)

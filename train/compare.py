@@ -230,6 +230,17 @@ class SimTask:
     """An injected predictor object (tests); overrides ``artifact_dir``."""
     regime: str = "latency"
     load_fraction: float = 1.0
+    requests_dir: str | None = field(default=None, compare=False)
+    """Write this simulation's per-request table there (``requests_part``), for ``--requests-out``."""
+
+
+def requests_part(task: SimTask) -> Path:
+    """Where ``task``'s per-request table is written (a file per simulation label)."""
+    import hashlib
+
+    assert task.requests_dir is not None
+    digest = hashlib.sha256(task.point.label().encode()).hexdigest()[:24]
+    return Path(task.requests_dir) / f"{digest}.parquet"
 
 
 @dataclass(frozen=True)
@@ -382,6 +393,14 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
         out.update(error=f"{type(exc).__name__}: {exc}", metrics=None, wall_s=time.perf_counter() - t0)
         return out
     metrics = result.metrics.to_dict()
+    from train.cli import simulate_command
+
+    cap = time_cap_s(point, trace_for(point)) if point.policy != "static" else math.inf
+    out["rerun"] = simulate_command(
+        point,
+        artifact_dir=task.artifact_dir if policy_spec(point.policy).needs_predictor else None,
+        max_sim_time_s=cap if math.isfinite(cap) else None,
+    ) + (" # needs the injected predictor" if task.predictor is not None else "")
     out.update(
         metrics=metrics,
         served_slo_share=served_slo_share(metrics),
@@ -391,6 +410,17 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
         error=None,
         time_capped=capped,
     )
+    if task.requests_dir is not None:
+        from train.requests_out import requests_table, write_parquet
+
+        table = requests_table(result)
+        for col, value in (
+            ("point", point.label()), ("policy", point.policy), ("trace", point.trace),
+            ("model", point.model), ("shape", point.shape), ("split", point.split), ("load", point.load),
+            ("seed", point.seed),
+        ):  # fmt: skip
+            table.insert(0, col, value)
+        write_parquet([table], requests_part(task))
     if task.detail:
         out["timeline"] = {
             k: [float(v) for v in col] for k, col in result.timeline.to_dict(orient="list").items()
@@ -516,6 +546,20 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
     return str(folder)
 
 
+def validate_artifacts(spec: GridSpec, artifacts: dict[str, str]) -> None:
+    """Load every artifact the grid will use (interference model per model, the tuned values, RL
+    weights) so a corrupt one fails before any simulation starts, naming its file."""
+    from policies.catalog import TUNED_FILE, load_tuned
+
+    load_tuned(TUNED_FILE)
+    for model, folder in artifacts.items():
+        _cached_predictor(folder, spec.gpu, model, spec.resolved_tp(model))
+    if any(policy_spec(p).node == "rl" for p in spec.simulated_policies()):
+        from policies.rl_policy import DEFAULT_ARTIFACT, load_artifact
+
+        load_artifact(DEFAULT_ARTIFACT)
+
+
 def same_gpu_splits(shape: str) -> list[str]:
     """Every xPyD split with the same worker count as ``shape`` (x, y >= 1), ``shape`` included."""
     n_p, n_d = parse_shape(shape)
@@ -555,53 +599,176 @@ def _map(
         bar.close()
 
 
-class _Runner:
-    """Runs job lists in parallel, caching finished searches in ``searches.json`` of the run folder."""
+FINISHED_DIR = "finished"
+"""Run-folder subfolder with one ``<key>.json`` per finished simulation or search (``_Runner``)."""
 
-    def __init__(self, out: Path, jobs: int, progress: bool) -> None:
-        self.path = out / "searches.json"
+
+def job_name(job: Any) -> str:
+    return job.point.label() if isinstance(job, SimTask) else job.name()
+
+
+@functools.lru_cache(maxsize=16)
+def _artifact_identity(folder: str) -> dict[str, Any]:
+    from train.wandb_log import artifact_reference
+
+    return artifact_reference(folder)
+
+
+def job_config(job: Any) -> dict[str, Any]:
+    """Everything a job's result depends on besides the code: its kind and name, the full point, the
+    policy's tuned values and the interference model by hash (an injected predictor by type)."""
+    from policies.catalog import tuned_params
+
+    spec = policy_spec(job.point.policy)
+    config: dict[str, Any] = {
+        "kind": type(job).__name__,
+        "name": job_name(job),
+        "point": job.point.to_dict(),
+        "tuned": tuned_params(job.point.policy) if not spec.passive else {},
+    }
+    if isinstance(job, SimTask):
+        config["detail"] = job.detail
+    if spec.needs_predictor:
+        if job.predictor is not None:
+            config["predictor"] = (
+                f"injected:{type(job.predictor).__module__}.{type(job.predictor).__qualname__}"
+            )
+        elif job.artifact_dir is not None:
+            config["predictor"] = _artifact_identity(job.artifact_dir)
+    return config
+
+
+class _Runner:
+    """Runs job lists in parallel; each finished job (simulation or search) is written to
+    ``finished/<key>.json`` as it finishes (``key``: ``train.provenance.config_key`` of ``job_config``),
+    and a job whose file exists without an error is not run again."""
+
+    def __init__(self, out: Path, jobs: int, progress: bool, backend: Any = None) -> None:
+        from train.provenance import code_version
+
+        self.dir = out / FINISHED_DIR
         self.jobs, self.progress = jobs, progress
+        self.code = code_version()
+        self.backend = backend
         # one pool for every stage: its workers keep their prepared traces and predictors
-        self.pool = cf.ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
-        self.cache: dict[str, Any] = {}
-        if self.path.is_file():
-            try:
-                self.cache = json.loads(self.path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{self.path}: corrupt search cache ({exc}); delete it to recompute"
-                ) from exc
+        self.pool = cf.ProcessPoolExecutor(max_workers=jobs) if jobs > 1 and backend is None else None
+        self.reused = self.ran = 0
+        self.used: set[str] = set()
+
+    def _load(self, key: str) -> dict[str, Any] | None:
+        path = self.dir / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: corrupt finished-job file ({exc}); delete it to recompute") from None
+        result = data.get("result") if isinstance(data, dict) else None
+        return result if isinstance(result, dict) and not result.get("error") else None
 
     def run(self, items: Sequence[Any], desc: str) -> list[dict[str, Any]]:
         """Results in the order of ``items``; an item equal to an earlier one (same simulation or same
-        search) is run once, a search found in ``searches.json`` is not run again."""
+        search) is run once, one already in ``finished/`` is not run again."""
+        from train.provenance import config_key
+
         results: dict[int, dict[str, Any]] = {}
         first_of: dict[str, int] = {}
+        keys: dict[int, tuple[str, dict[str, Any]]] = {}
         todo: list[tuple[int, Any]] = []
         for i, item in enumerate(items):
-            name = item.point.label() if isinstance(item, SimTask) else item.name()
+            name = job_name(item)
             if name in first_of:
                 continue
             first_of[name] = i
-            cached = self.cache.get(name) if not isinstance(item, SimTask) else None
-            if cached is not None and not cached.get("error"):
+            config = job_config(item)
+            key = config_key(config)
+            keys[i] = (key, config)
+            self.used.add(key)
+            cached = self._load(key)
+            if isinstance(item, SimTask) and item.requests_dir and not requests_part(item).is_file():
+                cached = None  # finished before without its per-request table: run it again
+            if cached is not None:
                 results[i] = cached
+                self.reused += 1
             else:
                 todo.append((i, item))
         # the slowest jobs first, so the pool ends evenly
         pending = sorted(todo, key=lambda t: _expected_cost(t[1]), reverse=True)
-        for res in _map(_run_job_indexed, pending, self.jobs, desc, self.progress, self.pool):
+        runs = (
+            self.backend.map(_run_job_indexed, pending, desc, self.progress)
+            if self.backend is not None
+            else _map(_run_job_indexed, pending, self.jobs, desc, self.progress, self.pool)
+        )
+        for res in runs:
             i = res.pop("_index")
             results[i] = res
-            if res.get("kind") in ("capacity", "gpus") and not res.get("error"):
-                self.cache[res["name"]] = res
-                write_json(self.path, self.cache, indent=1)
-        names = [item.point.label() if isinstance(item, SimTask) else item.name() for item in items]
-        return [results[first_of[n]] for n in names]
+            self.ran += 1
+            key, config = keys[i]
+            if not res.get("error"):
+                record = {"key": key, "config": config, "code": self.code, "result": res}
+                write_json(self.dir / f"{key}.json", record, indent=None)
+        return [results[first_of[job_name(item)]] for item in items]
 
-    def close(self) -> None:
+    def prune(self) -> int:
+        """Delete finished-job files this run did not use (another code version or grid); returns how
+        many. Called only after a run completed, so an interrupted run keeps everything."""
+        stale = [p for p in self.dir.glob("*.json") if p.stem not in self.used]
+        for path in stale:
+            path.unlink()
+        return len(stale)
+
+    def close(self, cancel: bool = False) -> None:
         if self.pool is not None:
-            self.pool.shutdown()
+            self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
+
+
+class RayBackend:
+    """``--backend ray``: every job is a Ray task (``ray.remote`` of the same worker function the process
+    pool runs, so results are the same); ``address`` None starts a local Ray instance, else joins a
+    cluster (``ray://host:10001`` or ``auto``). Workers import this package, so every node needs
+    Crossflow installed (or a ``runtime_env`` that ships it)."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("--backend ray: Ray is not installed; pip install 'crossflow[ray]'") from None
+        self.ray = ray
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"address": address, "include_dashboard": False, "log_to_driver": False}
+            if address is None and num_cpus is not None:
+                kwargs["num_cpus"] = num_cpus
+            ray.init(**kwargs)
+        self.address = address
+
+    def map(
+        self, fn: Callable[[Any], dict[str, Any]], items: Sequence[Any], desc: str, progress: bool
+    ) -> Iterable[dict[str, Any]]:
+        from tqdm import tqdm
+
+        remote = self.ray.remote(fn)
+        refs = [remote.remote(item) for item in items]
+        with tqdm(total=len(refs), desc=desc, disable=not progress, leave=False, file=sys.stderr) as bar:
+            try:
+                while refs:
+                    done, refs = self.ray.wait(refs, num_returns=1)
+                    yield self.ray.get(done[0])
+                    bar.update()
+            except BaseException:
+                for ref in refs:
+                    self.ray.cancel(ref, force=True)
+                raise
+
+
+def make_backend(args: argparse.Namespace) -> RayBackend | None:
+    """None (the local process pool) or a ``RayBackend`` for ``--backend ray``."""
+    if args.backend == "process":
+        if args.ray_address is not None:
+            raise ValueError("--ray-address: needs --backend ray")
+        return None
+    return RayBackend(args.ray_address, num_cpus=args.jobs)
 
 
 def _run_job_indexed(item: tuple[int, Any]) -> dict[str, Any]:
@@ -659,17 +826,29 @@ def run_compare(
     use_wandb: bool = False,
     command: str = "",
     predictor: Any = None,
+    backend: Any = None,
+    requests_out: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
-    """Run the grid, write results.json, report.md and PNGs into ``out_dir``; return the results dict."""
+    """Run the grid, write results.json, report.md and PNGs into ``out_dir``; return the results dict.
+
+    Every artifact is checked before anything is written (``validate_artifacts``). Finished jobs land in
+    ``out_dir/finished/`` as they finish; on ``KeyboardInterrupt`` the pool is stopped, ``interrupted.json``
+    says what finished and how to resume, and the interrupt propagates.
+    """
     t0 = time.perf_counter()
     out = Path(out_dir)
+    artifacts: dict[str, str] = {}
+    if predictor is None and any(policy_spec(p).needs_predictor for p in spec.policies):
+        artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
+    validate_artifacts(spec, artifacts)
+    if requests_out is not None and Path(requests_out).is_dir():
+        raise ValueError(f"--requests-out: {requests_out} is a folder; give a file such as requests.parquet")
     out.mkdir(parents=True, exist_ok=True)
-    runner = _Runner(out, jobs, progress)
+    requests_dir = str(out / "requests") if requests_out is not None else None
+    runner = _Runner(out, jobs, progress, backend)
+    stage = "static capacity"
     try:
         seeds = spec.seed_list()
-        artifacts: dict[str, str] = {}
-        if predictor is None and any(policy_spec(p).needs_predictor for p in spec.policies):
-            artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
 
         # 1. static capacity at SLO on every grid shape and seed: the saturation, the SLO rule per seed
         stage1 = [
@@ -678,12 +857,14 @@ def run_compare(
             for shape in spec.shapes
             for seed in seeds
         ]
-        static_caps = runner.run(stage1, "static capacity")
+        static_caps = runner.run(stage1, stage)
         saturation = _saturation_table(spec, static_caps)
         sat = {(s["combo"], s["shape"]): s for s in saturation}
 
         # 2. policies' capacity, other splits (hindsight), the regime points, GPUs needed
-        done2 = runner.run(_stage2_jobs(spec, sat, artifacts, predictor), "capacity, regimes, GPUs needed")
+        stage = "capacity, regimes, GPUs needed"
+        jobs2 = _stage2_jobs(spec, sat, artifacts, predictor, requests_dir)
+        done2 = runner.run(jobs2, stage)
         capacities = [r for r in static_caps + done2 if r["kind"] == "capacity"]
         sims = {r["label"]: r for r in done2 if r["kind"] == "sim"}
         gpus = [r for r in done2 if r["kind"] == "gpus"]
@@ -691,17 +872,44 @@ def run_compare(
         # 3. hindsight-split: static on the best split of each seed (simulated where it is not the grid shape)
         hindsight = hindsight_split(spec, capacities, saturation) if HINDSIGHT_SPLIT in spec.policies else []
         stage3 = [
-            SimTask(pt, False, regime=regime, load_fraction=frac)
+            SimTask(pt, False, regime=regime, load_fraction=frac, requests_dir=requests_dir)
             for h in hindsight
             if h["shape"] != h["grid_shape"]
             for regime, frac, pt in _regime_points(spec, sat, h)
             if pt.label() not in sims
         ]
-        done3 = runner.run(stage3, "hindsight split")
+        stage = "hindsight split"
+        done3 = runner.run(stage3, stage)
         for r in done3:
             sims[r["label"]] = r
+    except KeyboardInterrupt:
+        runner.close(cancel=True)
+        note = {
+            "interrupted_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "stage": stage,
+            "finished_this_run": runner.ran,
+            "reused": runner.reused,
+            "finished_total": len(list((out / FINISHED_DIR).glob("*.json"))),
+            "resume": f"{command or 'crossflow compare ...'} (with the same --out) skips every finished job",
+        }
+        write_json(out / "interrupted.json", note)
+        raise
     finally:
         runner.close()
+    (out / "interrupted.json").unlink(missing_ok=True)
+    pruned = runner.prune()
+    requests_written = None
+    if requests_out is not None:
+        import pandas as pd
+
+        from train.requests_out import write_parquet
+
+        tasks = {t.point.label(): t for t in [*jobs2, *stage3] if isinstance(t, SimTask)}
+        requests_written = {
+            "path": str(requests_out),
+            "rows": write_parquet((pd.read_parquet(requests_part(t)) for t in tasks.values()), requests_out),
+            "simulations": len(tasks),
+        }
 
     points = _grid_rows(spec, saturation, sims, hindsight)
     results: dict[str, Any] = {
@@ -716,6 +924,12 @@ def run_compare(
             "seed_list": list(seeds),
         },
         "jobs": jobs,
+        "backend": "process" if backend is None else backend.name,
+        "code_version": runner.code,
+        "jobs_run": runner.ran,
+        "jobs_reused": runner.reused,
+        "jobs_pruned": pruned,
+        "requests_out": requests_written,
         "slo_share_target": SLO_SHARE_TARGET,
         "capacity_resolution": CAPACITY_RESOLUTION,
         "saturation": saturation,
@@ -754,7 +968,11 @@ def _regime_points(
 
 
 def _stage2_jobs(
-    spec: GridSpec, sat: dict[tuple[str, str], dict[str, Any]], artifacts: dict[str, str], predictor: Any
+    spec: GridSpec,
+    sat: dict[tuple[str, str], dict[str, Any]],
+    artifacts: dict[str, str],
+    predictor: Any,
+    requests_dir: str | None = None,
 ) -> list[Any]:
     """Capacity searches of the other policies and splits, regime points, GPUs-needed searches."""
     seeds = spec.seed_list()
@@ -784,7 +1002,15 @@ def _stage2_jobs(
                     for seed in seeds:
                         pt = spec.point(policy, c, shape, frac * s["load"], seed)
                         jobs.append(
-                            SimTask(pt, seed == seeds[0], artifacts.get(c.model), predictor, regime, frac)
+                            SimTask(
+                                pt,
+                                seed == seeds[0],
+                                artifacts.get(c.model),
+                                predictor,
+                                regime,
+                                frac,
+                                requests_dir,
+                            )
                         )
         first = sat.get((c.key(), spec.shapes[0]))
         if spec.gpus_needed and first and first["usable"]:
@@ -1122,6 +1348,23 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         p, G, "interference_model", "--interference-model", metavar="DIR",
         default_text="the shipped one per model", help="artifact folder for heuristic/rl",
     )  # fmt: skip
+    p.add_argument(
+        "--requests-out",
+        default=None,
+        metavar="PATH.parquet",
+        help="one row per request of every regime simulation (path, nodes, TTFT, ITL, decision reason, "
+        "lease id, and the point), as Parquet",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("process", "ray"),
+        default="process",
+        help="run the simulations in local processes (default) or as Ray tasks "
+        "(pip install 'crossflow[ray]')",
+    )
+    p.add_argument(
+        "--ray-address", default=None, metavar="ADDR", help="Ray cluster to join (default: start a local one)"
+    )
     p.add_argument("--no-wandb", action="store_true", help="do not log W&B runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_arguments(p)
@@ -1192,9 +1435,28 @@ def _run(args: argparse.Namespace) -> int:
     command = "crossflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or ["compare"])
     for line in describe_traces(spec):
         print(f"compare: {line}", file=sys.stderr)
-    results = run_compare(
-        spec, out, jobs=args.jobs, progress=not args.no_progress, use_wandb=not args.no_wandb, command=command
-    )
+    try:
+        results = run_compare(
+            spec,
+            out,
+            jobs=args.jobs,
+            progress=not args.no_progress,
+            use_wandb=not args.no_wandb,
+            command=command,
+            backend=make_backend(args),
+            requests_out=args.requests_out,
+        )
+    except KeyboardInterrupt:
+        note = out / "interrupted.json"
+        if note.is_file():
+            info = json.loads(note.read_text(encoding="utf-8"))
+            print(
+                f"compare: interrupted during {info['stage']}: {info['finished_total']} finished job(s) kept "
+                f"in {out}/{FINISHED_DIR}/ ({info['finished_this_run']} this run); rerun the same command "
+                "with the same --out to resume",
+                file=sys.stderr,
+            )
+        return 130
     if args.json:
         write_json(Path(args.json), results, indent=1)
     print(
