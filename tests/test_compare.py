@@ -298,8 +298,8 @@ def test_compare_cli_end_to_end(tmp_path: Path) -> None:
     assert pngs == [f"capacity_{slug}.png", f"latency_{slug}.png", f"timeline_{slug}.png"]
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     # a second run in the same folder reuses every cached search
-    cached = json.loads((out / "searches.json").read_text())
-    assert sum(1 for k in cached if k.startswith("capacity|")) == len(results["capacity"])
+    cached = [json.loads(p.read_text()) for p in (out / "finished").glob("*.json")]
+    assert sum(1 for r in cached if r["config"]["kind"] == "CapacityJob") == len(results["capacity"])
 
 
 class ConstantPredictor:
