@@ -295,7 +295,7 @@ def test_compare_cli_end_to_end(tmp_path: Path) -> None:
     assert "## GPUs needed" in md and "2 seed(s)" in md
     pngs = sorted(p.name for p in out.glob("*.png"))
     slug = "mooncake_gpt-oss-120b_heldout_2P4D"
-    assert pngs == [f"capacity_{slug}.png", f"latency_{slug}.png", f"timeline_{slug}.png"]
+    assert pngs == [f"{k}_{slug}.png" for k in ("capacity", "latency", "throughput", "timeline")]
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     # a second run in the same folder reuses every cached search
     cached = [json.loads(p.read_text()) for p in (out / "finished").glob("*.json")]

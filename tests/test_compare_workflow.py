@@ -320,3 +320,51 @@ def test_ray_backend_gives_the_process_backends_results(tmp_path: Path) -> None:
     assert _plain([{k: v for k, v in p.items() if k not in strip} for p in remote["points"]]) == _plain(
         [{k: v for k, v in p.items() if k not in strip} for p in local["points"]]
     )
+
+
+@pytest.mark.slow
+def test_compare_runs_a_policy_bundle_under_its_name(tmp_path: Path) -> None:
+    from interference_model.artifact import DATA_DIR
+    from policies.bundle import write_policy_bundle
+    from policies.catalog import tuned_params
+
+    folder = tmp_path / "mine"
+    write_policy_bundle(
+        folder, name="mine", policy="heuristic", interference_model=DATA_DIR / "h200_gpt-oss-120b_tp1"
+    )
+    spec = _tiny(policies=("static", "heuristic"), latency_loads=(1.0,), throughput_loads=(2.0,))
+    results = run_compare(spec, tmp_path / "run", bundles=[str(folder)])
+    assert not results["failed"] and results["bundles"]["mine"]["policy"] == "heuristic"
+    rows = {(p["policy"], p["regime"]): p for p in results["points"]}
+    assert {p for p, _ in rows} == {"static", "heuristic", "mine"}
+    expected = [list(kv) for kv in sorted(tuned_params("heuristic").items())]
+    assert _plain(rows[("mine", "latency")]["point"]["policy_params"]) == expected
+    for regime in ("latency", "throughput"):  # the shipped values, bundled: the same simulation
+        assert rows[("mine", regime)]["metrics"] == rows[("heuristic", regime)]["metrics"]
+    caps = {c["point"]["policy"]: c["load"] for c in results["capacity"]}
+    assert caps["mine"] == caps["heuristic"]
+
+
+# ---- W&B -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_wandb_offline_runs_tables_plots_and_results_artifact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    spec = _tiny(seeds=2, latency_loads=(1.0,), throughput_loads=(2.0,))
+    results = run_compare(spec, tmp_path / "run", use_wandb=True)
+    info = results["wandb"]
+    assert info["runs"] == 3 and info["group"].startswith("run@")  # 2 (point, policy) runs + the summary
+    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3
+    media = [p.relative_to(tmp_path) for r in runs for p in (r / "files" / "media").rglob("*") if p.is_file()]
+    names = [p.name for p in media]
+    assert sum(n.startswith("seeds_") and n.endswith(".table.json") for n in names) == 2
+    assert sum(n.startswith("comparison_") for n in names) == 1
+    assert sum(n.endswith(".png") for n in names) == len(list((tmp_path / "run").glob("*.png")))
+    seeds = next(p for r in runs for p in (r / "files" / "media").rglob("seeds_*.table.json"))
+    table = json.loads(seeds.read_text())
+    assert len(table["data"]) == 2 and table["columns"][0] == "seed"
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["wandb"]["runs"] == 3

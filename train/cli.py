@@ -252,10 +252,15 @@ def _policy_param(text: str) -> tuple[str, Any]:
 
 
 def simulate_command(
-    point: Any, *, artifact_dir: str | None = None, max_sim_time_s: float | None = None
+    point: Any,
+    *,
+    artifact_dir: str | None = None,
+    max_sim_time_s: float | None = None,
+    closed_loop: bool | None = None,
 ) -> str:
     """The ``crossflow simulate`` command line that runs ``point`` alone (``point_from_args`` of its
-    arguments gives ``point`` back); ``artifact_dir`` and ``max_sim_time_s`` as compare ran it."""
+    arguments gives ``point`` back); ``artifact_dir`` and ``max_sim_time_s`` as compare ran it;
+    ``closed_loop`` (whether the trace is; None: load it to find out) picks --max-sessions."""
     import json
     import shlex
 
@@ -272,7 +277,7 @@ def simulate_command(
     if point.tp is not None:
         argv += ["--tp", str(point.tp)]
     if point.max_requests is not None:
-        closed = load_trace(point.trace).closed_loop
+        closed = load_trace(point.trace).closed_loop if closed_loop is None else closed_loop
         argv += ["--max-sessions" if closed else "--max-requests", str(point.max_requests)]
     optional = (
         ("session_rate_per_s", "--session-rate"), ("rate_curve", "--rate-curve"), ("dtype", "--dtype"),

@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -146,6 +147,9 @@ class GridSpec:
     """Largest cluster (workers) the GPUs-needed search tries."""
     decode_prefix_cache: bool = False
     """Decode workers keep a radix prefix cache, for every policy (``Point.decode_prefix_cache``)."""
+    policy_params: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    """Per policy name, dotted parameters over its tuned values (``Point.policy_params``); set for the
+    policies of ``--policy-bundle`` (``add_bundles``)."""
 
     def __post_init__(self) -> None:
         if self.max_workers < 2:
@@ -203,6 +207,7 @@ class GridSpec:
             open_loop_arrivals=self.open_loop_arrivals,
             slo_ttft_s=self.slo_ttft_s,
             slo_tpot_s=self.slo_tpot_s,
+            policy_params=dict(self.policy_params).get(policy, ()),
             **self.point_options(),
         )
 
@@ -395,9 +400,11 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
     metrics = result.metrics.to_dict()
     from train.cli import simulate_command
 
-    cap = time_cap_s(point, trace_for(point)) if point.policy != "static" else math.inf
+    trace = trace_for(point)
+    cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
     out["rerun"] = simulate_command(
         point,
+        closed_loop=trace.closed_loop,
         artifact_dir=task.artifact_dir if policy_spec(point.policy).needs_predictor else None,
         max_sim_time_s=cap if math.isfinite(cap) else None,
     ) + (" # needs the injected predictor" if task.predictor is not None else "")
@@ -546,13 +553,61 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
     return str(folder)
 
 
+def artifact_of(artifacts: dict[str, str], policy: str, model: str) -> str | None:
+    """The interference-model folder ``policy`` uses on ``model``: its bundle's, else the grid's."""
+    return artifacts.get(f"{policy}|{model}") or artifacts.get(model)
+
+
+def add_bundles(
+    spec: GridSpec, refs: Sequence[str]
+) -> tuple[GridSpec, dict[str, str], dict[str, dict[str, Any]]]:
+    """``spec`` with the policy of every bundle in ``refs`` (folders or ``wandb:`` references) added
+    under the bundle's name, and the bundles' interference models as ``artifact_of`` keys.
+
+    Each bundle is registered in the catalog as an alias of its policy (same node and path policy), so
+    the report and W&B name it; its parameters go into ``spec.policy_params``. The process pool's
+    workers are forked after this and inherit the registration (the Ray backend refuses bundles).
+    """
+    from policies.bundle import load_policy_bundle, resolve_bundle
+    from policies.catalog import PolicySpec, register_policy
+
+    policies, params, artifacts = list(spec.policies), dict(spec.policy_params), {}
+    info: dict[str, dict[str, Any]] = {}
+    for ref in refs:
+        bundle = load_policy_bundle(resolve_bundle(ref))
+        base = policy_spec(bundle.policy)
+        alias = PolicySpec(
+            bundle.name,
+            f"policy bundle {bundle.name} v{bundle.version} ({bundle.policy}, digest {bundle.digest[:12]})",
+            node=base.node,
+            path=base.path,
+            source=f"policy bundle {ref}",
+        )
+        if bundle.name in policy_names() and policy_spec(bundle.name).source != alias.source:
+            raise ValueError(f"--policy-bundle {ref}: name {bundle.name!r} is already a catalog policy")
+        register_policy(alias, replace=True)
+        if bundle.name not in policies:
+            policies.append(bundle.name)
+        params[bundle.name] = bundle.point_params()
+        info[bundle.name] = {
+            "ref": str(ref), "folder": str(bundle.folder), "version": bundle.version,
+            "policy": bundle.policy, "digest": bundle.digest,
+        }  # fmt: skip
+        if bundle.interference_model is not None:
+            for model in spec.models:
+                artifacts[f"{bundle.name}|{model}"] = str(bundle.interference_model)
+    new = replace(spec, policies=tuple(policies), policy_params=tuple(sorted(params.items())))
+    return new, artifacts, info
+
+
 def validate_artifacts(spec: GridSpec, artifacts: dict[str, str]) -> None:
     """Load every artifact the grid will use (interference model per model, the tuned values, RL
     weights) so a corrupt one fails before any simulation starts, naming its file."""
     from policies.catalog import TUNED_FILE, load_tuned
 
     load_tuned(TUNED_FILE)
-    for model, folder in artifacts.items():
+    for key, folder in artifacts.items():
+        model = key.rpartition("|")[2]
         _cached_predictor(folder, spec.gpu, model, spec.resolved_tp(model))
     if any(policy_spec(p).node == "rl" for p in spec.simulated_policies()):
         from policies.rl_policy import DEFAULT_ARTIFACT, load_artifact
@@ -828,6 +883,7 @@ def run_compare(
     predictor: Any = None,
     backend: Any = None,
     requests_out: str | os.PathLike[str] | None = None,
+    bundles: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the grid, write results.json, report.md and PNGs into ``out_dir``; return the results dict.
 
@@ -838,8 +894,19 @@ def run_compare(
     t0 = time.perf_counter()
     out = Path(out_dir)
     artifacts: dict[str, str] = {}
-    if predictor is None and any(policy_spec(p).needs_predictor for p in spec.policies):
-        artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
+    bundle_info: dict[str, dict[str, Any]] = {}
+    if bundles:
+        if backend is not None:
+            raise ValueError(
+                "--policy-bundle: not supported with --backend ray yet (use the process backend)"
+            )
+        spec, artifacts, bundle_info = add_bundles(spec, bundles)
+    if predictor is None and any(
+        policy_spec(p).needs_predictor and not artifact_of(artifacts, p, m)
+        for p in spec.policies
+        for m in spec.models
+    ):
+        artifacts.update({m: resolve_artifact(spec, m) for m in spec.models})
     validate_artifacts(spec, artifacts)
     if requests_out is not None and Path(requests_out).is_dir():
         raise ValueError(f"--requests-out: {requests_out} is a folder; give a file such as requests.parquet")
@@ -930,6 +997,7 @@ def run_compare(
         "jobs_reused": runner.reused,
         "jobs_pruned": pruned,
         "requests_out": requests_written,
+        "bundles": bundle_info,
         "slo_share_target": SLO_SHARE_TARGET,
         "capacity_resolution": CAPACITY_RESOLUTION,
         "saturation": saturation,
@@ -943,11 +1011,13 @@ def run_compare(
     results["policy_params"] = describe_params([p for p in spec.policies if not policy_spec(p).passive])
     results["summary"] = report.summarise(results)
     results["targets"] = report.evaluate_targets(results)
-    if use_wandb:
-        results["wandb"] = _log_wandb(results, out, artifacts)
     results["wall_s"] = time.perf_counter() - t0
     write_json(out / "results.json", results, indent=1)
-    report.write_report(results, out)
+    written = report.write_report(results, out)
+    if use_wandb:
+        results["wandb"] = _log_wandb(results, out, artifacts, [p for p in written if p.suffix == ".png"])
+        results["wall_s"] = time.perf_counter() - t0
+        write_json(out / "results.json", results, indent=1)
     return results
 
 
@@ -988,7 +1058,15 @@ def _stage2_jobs(
                 for policy in lending:
                     pt = spec.point(policy, c, shape, 1.0, seed)
                     jobs.append(
-                        CapacityJob(pt, thr, False, start, POLICY_STEP, artifacts.get(c.model), predictor)
+                        CapacityJob(
+                            pt,
+                            thr,
+                            False,
+                            start,
+                            POLICY_STEP,
+                            artifact_of(artifacts, policy, c.model),
+                            predictor,
+                        )
                     )
                 if HINDSIGHT_SPLIT in spec.policies:
                     for other in same_gpu_splits(shape):
@@ -1005,7 +1083,7 @@ def _stage2_jobs(
                             SimTask(
                                 pt,
                                 seed == seeds[0],
-                                artifacts.get(c.model),
+                                artifact_of(artifacts, policy, c.model),
                                 predictor,
                                 regime,
                                 frac,
@@ -1017,7 +1095,8 @@ def _stage2_jobs(
             thresholds = tuple(sorted(first["thresholds"].items()))
             for policy in spec.simulated_policies():
                 pt = spec.point(policy, c, spec.shapes[0], 1.0, seeds[0])
-                jobs.append(GpusJob(pt, thresholds, spec.max_workers, artifacts.get(c.model), predictor))
+                art = artifact_of(artifacts, policy, c.model)
+                jobs.append(GpusJob(pt, thresholds, spec.max_workers, art, predictor))
     return jobs
 
 
@@ -1167,12 +1246,46 @@ def _capacity_bounds(spec: GridSpec, saturation: Sequence[dict[str, Any]]) -> li
     return out
 
 
-def _log_wandb(results: dict[str, Any], out: Path, artifacts: dict[str, str]) -> dict[str, Any]:
-    """One run per (policy, trace, model, shape, split, regime, load fraction): seed means in the
-    summary, every seed's metrics under ``seeds``, the first seed's per-minute timeline as history."""
+SEED_COLUMNS = (
+    "ttft_mean_s", "ttft_p99_s", "itl_mean_s", "itl_p99_s", "input_tokens_per_s", "output_tokens_per_s",
+    "slo_attainment", "borrowed_share", "local_share",
+)  # fmt: skip
+"""Per-seed columns of each run's ``seeds`` table (besides served SLO share and steady throughput)."""
+
+
+def comparison_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """``report.summarise``'s cells as table rows: policy, side, group, metric, mean, 95 % interval, n,
+    verdict (changes vs static are ratios - 1; shares are plain)."""
+    columns = ["policy", "split", "group", "metric", "mean", "low", "high", "n", "verdict"]
+    rows = []
+    for policy, sides in sorted(summary.items()):
+        for side, groups in sorted(sides.items()):
+            for group, cell in sorted(groups.items()):
+                for metric, e in sorted(cell.items()):
+                    if isinstance(e, dict) and "mean" in e:
+                        rows.append(
+                            [policy, side, group, metric, e["mean"], e["low"], e["high"], e["n"],
+                             e.get("verdict", "")]
+                        )  # fmt: skip
+    return columns, rows
+
+
+def _log_wandb(
+    results: dict[str, Any], out: Path, artifacts: dict[str, str], plots: Sequence[Path]
+) -> dict[str, Any]:
+    """W&B runs of one compare (offline unless the user chose online), grouped under one name per
+    invocation (``<run folder>@<created time>``, so a rerun into the same folder starts a new group):
+
+    * one run per (point, policy) -- trace, model, shape, split side, regime, load fraction -- with
+      ``job_type`` the regime, seed means in the summary, a ``seeds`` table (one row per seed), the first
+      seed's per-minute timeline as history, and the interference model it used by hash;
+    * one ``summary`` run: the comparison table with the 95 % intervals, every plot as an image, and
+      ``results.json`` + ``report.md`` as a versioned ``compare-results`` artifact.
+    """
     from train import wandb_log
 
     wandb_log.default_to_offline()
+    group = f"{out.name}@{results['created_utc']}"
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for p in results["points"]:
         if p.get("metrics"):
@@ -1196,35 +1309,89 @@ def _log_wandb(results: dict[str, Any], out: Path, artifacts: dict[str, str]) ->
             for k, v in rows[0]["metrics"].items()
             if isinstance(v, int | float)
         }
+        seed_rows = [
+            [r["seed"], r["run_shape"], r["point"]["load"], r["served_slo_share"],
+             r["steady"]["input_tokens_per_s"], r["steady"]["output_tokens_per_s"],
+             *(r["metrics"].get(c) for c in SEED_COLUMNS)]
+            for r in rows
+        ]  # fmt: skip
         runs.append(
             wandb_log.RunLog(
-                name=f"{policy}|{trace}|{model}|{shape}|{split}|{regime}={frac:g}",
-                group=out.name,
-                tags=[policy, trace, model, shape, split, regime],
+                name=f"{policy}|{Path(trace).name}|{model}|{shape}|{split}|{regime}={frac:g}",
+                group=group,
+                tags=[policy, Path(trace).name, model, shape, split, regime],
+                job_type=regime,
                 config={
-                    **{k: v for k, v in rows[0]["point"].items() if k not in ("seed", "policy")},
+                    **{k: v for k, v in rows[0]["point"].items() if k not in ("seed", "policy", "load")},
                     "policy": policy,
                     "seeds": [r["seed"] for r in rows],
                     "load_fraction": frac,
                     "saturation_load": rows[0]["saturation_load"],
                     "run_shapes": sorted({r["run_shape"] for r in rows}),
+                    "code_version": results["code_version"],
                 },
                 summary={
                     **means,
+                    "n_seeds": len(rows),
                     "served_slo_share": float(np.mean([r["served_slo_share"] for r in rows])),
                     "steady_input_tokens_per_s": float(
                         np.mean([r["steady"]["input_tokens_per_s"] for r in rows])
                     ),
-                    "seeds": {str(r["seed"]): r["metrics"] for r in rows},
+                    "steady_output_tokens_per_s": float(
+                        np.mean([r["steady"]["output_tokens_per_s"] for r in rows])
+                    ),
                 },
                 history=history,
-                artifact_dir=artifacts.get(model) if policy_spec(policy).needs_predictor else None,
+                tables={
+                    "seeds": (
+                        [
+                            "seed",
+                            "run_shape",
+                            "load",
+                            "served_slo_share",
+                            "steady_input_tokens_per_s",
+                            "steady_output_tokens_per_s",
+                            *SEED_COLUMNS,
+                        ],
+                        seed_rows,
+                    )
+                },
+                artifact_dir=artifact_of(artifacts, policy, model)
+                if policy_spec(policy).needs_predictor
+                else None,
             )
         )
+    columns, table = comparison_rows(results["summary"])
+    runs.append(
+        wandb_log.RunLog(
+            name=f"summary|{out.name}",
+            group=group,
+            tags=["summary"],
+            job_type="summary",
+            config={
+                "grid": results["grid"],
+                "command": results["command"],
+                "code_version": results["code_version"],
+            },
+            summary={
+                "jobs_run": results["jobs_run"],
+                "jobs_reused": results["jobs_reused"],
+                "rows": len(results["points"]),
+            },
+            tables={"comparison": (columns, table)},
+            images={f"plot/{p.stem}": str(p) for p in plots},
+            output_artifact=(
+                f"compare-{re.sub(r'[^A-Za-z0-9_.-]+', '-', out.name)}",
+                "compare-results",
+                [str(out / "results.json"), str(out / "report.md")],
+            ),
+        )
+    )
     t0 = time.perf_counter()
     folders = wandb_log.log_runs(runs, wandb_dir=out)
     return {
         "mode": os.environ.get("WANDB_MODE"),
+        "group": group,
         "runs": len(folders),
         "dir": "wandb",
         "wall_s": time.perf_counter() - t0,
@@ -1365,6 +1532,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--ray-address", default=None, metavar="ADDR", help="Ray cluster to join (default: start a local one)"
     )
+    p.add_argument(
+        "--policy-bundle",
+        action="append",
+        default=[],
+        metavar="DIR|wandb:ENTITY/PROJECT/NAME:VERSION",
+        help="add the policy of a policy bundle to the grid, under the bundle's name (repeatable; "
+        "docs/policy_bundle.md)",
+    )
     p.add_argument("--no-wandb", action="store_true", help="do not log W&B runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_arguments(p)
@@ -1445,6 +1620,7 @@ def _run(args: argparse.Namespace) -> int:
             command=command,
             backend=make_backend(args),
             requests_out=args.requests_out,
+            bundles=args.policy_bundle,
         )
     except KeyboardInterrupt:
         note = out / "interrupted.json"

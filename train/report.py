@@ -898,6 +898,31 @@ def plot_capacity(
     return path
 
 
+def plot_throughput_vs_load(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
+    """Served input and output tokens/s over the steady window against offered load, both regimes on
+    one axis (x static saturation), one line per policy with 95 % intervals; the bound's share right."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    grouped = by_point(rows)
+    for ax, metric, label, scale in (
+        (axes[0], "steady_input_tokens_per_s", "steady input tok/s", 1.0),
+        (axes[1], "steady_output_tokens_per_s", "steady output tok/s", 1.0),
+        (axes[2], "bound_share", "share of fluid bound (%)", 100.0),
+    ):
+        _policy_lines(ax, grouped, metric, scale)
+        ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel("offered load (x static saturation)")
+        ax.set_ylabel(label)
+    axes[2].axhline(100.0, color="grey", linestyle="--")
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
+    fig.suptitle(f"{title}: throughput against load (dotted: static saturation; 95 % intervals over seeds)")
+    fig.tight_layout()
+    path = _save(fig, path)
+    plt.close(fig)
+    return path
+
+
 def plot_borrowed_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path | None:
     """Per lending policy at its highest load (first seed): borrowed prefill tokens/s per minute against
     the offered uncached-input : output ratio. None when no row has a timeline with borrowing columns."""
@@ -933,7 +958,8 @@ def plot_borrowed_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title:
 
 
 def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """Per (trace, model, split, shape): latency-vs-load, capacity-regime and borrowing-timeline PNGs."""
+    """Per (trace, model, split, shape): latency-vs-load, throughput-vs-load, capacity-regime and
+    borrowing-timeline PNGs."""
     groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = {}
     for r in _ok(results["points"]):
         groups.setdefault((r["trace"], r["model"], r["split"], r["shape"]), []).append(r)
@@ -942,6 +968,7 @@ def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
         title = f"{trace} [{split}] / {model} / {shape}"
         slug = _slug(trace, model, split, shape)
         written.append(plot_latency_vs_load(rows, out_dir / f"latency_{slug}.png", title))
+        written.append(plot_throughput_vs_load(rows, out_dir / f"throughput_{slug}.png", title))
         for made in (
             plot_capacity(rows, results, out_dir / f"capacity_{slug}.png", title),
             plot_borrowed_timeline(rows, out_dir / f"timeline_{slug}.png", title),
