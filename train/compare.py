@@ -773,8 +773,20 @@ class _Runner:
         return len(stale)
 
     def close(self, cancel: bool = False) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
+        """Shut the pool down; ``cancel`` (Ctrl-C) drops queued jobs and stops running ones at once
+        (their results were never written, so the folder stays consistent)."""
+        pool, self.pool = self.pool, None
+        if pool is None:
+            return
+        if not cancel:
+            pool.shutdown()
+            return
+        workers = list(getattr(pool, "_processes", {}).values())  # no public handle on the workers
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in workers:
+            proc.terminate()
+        for proc in workers:
+            proc.join(timeout=5)
 
 
 class RayBackend:

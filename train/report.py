@@ -882,16 +882,34 @@ def plot_capacity(
     axes[0].set_yscale("log")
     axes[0].set_ylabel("capacity at SLO (load factor, log)")
     axes[0].tick_params(axis="x", rotation=20)
-    for ax, metric, label, scale in (
-        (axes[1], "steady_input_tokens_per_s", "steady in tok/s", 1.0),
-        (axes[2], "bound_share", "share of fluid bound (%)", 100.0),
-    ):
+    _load_panels(
+        axes[1:],
+        grouped,
+        [
+            ("steady_input_tokens_per_s", "steady in tok/s", 1.0),
+            ("bound_share", "share of fluid bound (%)", 100.0),
+        ],
+    )
+    axes[1].legend(fontsize=8)
+    return _finish(plt, fig, path, f"{title}: capacity regime (95 % intervals over seeds)")
+
+
+def _load_panels(
+    axes: Any, grouped: Any, panels: Sequence[tuple[str, str, float]], saturation_line: bool = False
+) -> None:
+    """One axis per (metric, label, scale) against load, one line per policy; the last panel is the
+    share of the fluid bound (its 100 % line drawn)."""
+    for ax, (metric, label, scale) in zip(axes, panels, strict=True):
         _policy_lines(ax, grouped, metric, scale)
+        if saturation_line:
+            ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("load (x static saturation)")
         ax.set_ylabel(label)
-    axes[2].axhline(100.0, color="grey", linestyle="--")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"{title}: capacity regime (95 % intervals over seeds)")
+    axes[-1].axhline(100.0, color="grey", linestyle="--")
+
+
+def _finish(plt: Any, fig: Any, path: Path, title: str) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
     path = _save(fig, path)
     plt.close(fig)
@@ -903,24 +921,16 @@ def plot_throughput_vs_load(rows: Sequence[Mapping[str, Any]], path: Path, title
     one axis (x static saturation), one line per policy with 95 % intervals; the bound's share right."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    grouped = by_point(rows)
-    for ax, metric, label, scale in (
-        (axes[0], "steady_input_tokens_per_s", "steady input tok/s", 1.0),
-        (axes[1], "steady_output_tokens_per_s", "steady output tok/s", 1.0),
-        (axes[2], "bound_share", "share of fluid bound (%)", 100.0),
-    ):
-        _policy_lines(ax, grouped, metric, scale)
-        ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
-        ax.set_xlabel("offered load (x static saturation)")
-        ax.set_ylabel(label)
-    axes[2].axhline(100.0, color="grey", linestyle="--")
+    panels = [
+        ("steady_input_tokens_per_s", "steady input tok/s", 1.0),
+        ("steady_output_tokens_per_s", "steady output tok/s", 1.0),
+        ("bound_share", "share of fluid bound (%)", 100.0),
+    ]
+    _load_panels(axes, by_point(rows), panels, saturation_line=True)
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=8)
-    fig.suptitle(f"{title}: throughput against load (dotted: static saturation; 95 % intervals over seeds)")
-    fig.tight_layout()
-    path = _save(fig, path)
-    plt.close(fig)
-    return path
+    title = f"{title}: throughput against load (dotted: static saturation; 95 % intervals over seeds)"
+    return _finish(plt, fig, path, title)
 
 
 def plot_borrowed_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path | None:
