@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,13 @@ def test_max_requests_counts_requests_and_max_sessions_sessions() -> None:
     assert len(agent.session_ids) == 3 and len(agent.requests) > 7
     assert len(prepare_trace(spec.point("static", c_moon, "2P4D", 1.0, 0)).requests) == 7
     lines = compare.describe_traces(spec)
-    assert "first 3 sessions (--max-sessions)" in lines[0] and "first 7 requests (--max-requests)" in lines[1]
+    assert "first 3 sessions (--max-sessions;" in lines[0] and "first 7 requests (--max-requests;" in lines[1]
+    # compare: --max-requests alone on the agent trace keeps the fewest whole sessions holding N requests
+    only = GridSpec(traces=("agent",), max_requests=1000, seeds=1)
+    held_point = only.point("static", c_agent, "2P4D", 1.0, 0)
+    assert held_point.max_requests > 1 and len(prepare_trace(held_point).requests) >= 1000
+    fewer_point = replace(held_point, max_requests=held_point.max_requests - 1)
+    assert len(prepare_trace(fewer_point).requests) < 1000
     # simulate: --max-requests on the agent trace keeps whole sessions that hold at least N requests
     point = point_from_args(_parse("simulate", "--trace", "agent", "--max-requests", "100"))
     trace = prepare_trace(point)
@@ -210,7 +217,13 @@ def test_interrupted_run_keeps_finished_jobs_and_resumes(
 
 @pytest.mark.slow
 def test_each_point_records_the_command_that_reruns_it(tmp_path: Path) -> None:
-    results = run_compare(_tiny(latency_loads=(1.0,), throughput_loads=(2.0,)), tmp_path / "run")
+    spec = _tiny(policies=("static", "utilisation"), latency_loads=(1.0,), throughput_loads=(2.0,))
+    parquet = tmp_path / "all.parquet"
+    results = run_compare(spec, tmp_path / "run", requests_out=parquet)
+    df = pd.read_parquet(parquet)
+    sims = {p["label"]: p["metrics"]["n_requests"] for p in results["points"]}
+    assert len(df) == sum(sims.values()) == results["requests_out"]["rows"]
+    assert set(df["point"]) == set(sims) and set(df["policy"]) == {"static", "utilisation"}
     row = results["points"][-1]
     argv = [*shlex.split(row["rerun"])[1:], "--no-progress", "--json", str(tmp_path / "one.json")]
     assert main(argv) == 0

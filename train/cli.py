@@ -71,7 +71,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "--max-requests",
         type=positive_int,
         default=None,
-        help="open-loop traces: replay only the first N requests (default: all)",
+        help="replay only the first N requests (closed-loop traces: the fewest first whole sessions "
+        "that hold N requests; default: all)",
     )
     p.add_argument(
         "--max-sessions",

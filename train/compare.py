@@ -166,12 +166,20 @@ class GridSpec:
         """The ``Point`` fields every simulation of the grid shares beyond trace, model and shape."""
         return {**model_options(self), "decode_prefix_cache": self.decode_prefix_cache}
 
-    def subset(self, trace: str) -> int | None:
+    def subset(self, trace: str, split: str = ALL) -> int | None:
         """How many units of ``trace`` each side replays: sessions of a closed-loop trace
-        (``max_sessions``), requests of an open-loop one (``max_requests``), else the per-trace subset."""
-        given = self.max_sessions if is_closed_loop(trace) else self.max_requests
-        if given is not None:
-            return given
+        (``max_sessions``; with only ``max_requests`` given, the fewest first sessions of the side that
+        hold that many requests), requests of an open-loop one (``max_requests``), else the per-trace
+        subset."""
+        if is_closed_loop(trace):
+            if self.max_sessions is not None:
+                return self.max_sessions
+            if self.max_requests is not None:
+                from train.cli import sessions_holding
+
+                return sessions_holding(_side(trace, split), self.max_requests)
+        elif self.max_requests is not None:
+            return self.max_requests
         return (FULL_SUBSET if self.full else DEFAULT_SUBSET).get(trace, FILE_SUBSET)
 
     def splits_for(self, trace: str) -> tuple[str, ...]:
@@ -201,7 +209,7 @@ class GridSpec:
             tp=self.tp,
             shape=shape,
             load=load,
-            max_requests=self.subset(combo.trace),
+            max_requests=self.subset(combo.trace, combo.split),
             seed=seed,
             split=combo.split,
             open_loop_arrivals=self.open_loop_arrivals,
@@ -867,6 +875,13 @@ def _loaded(trace: str) -> Trace:
     return load_trace(trace)
 
 
+@functools.lru_cache(maxsize=32)
+def _side(trace: str, split: str) -> Trace:
+    from envs.splits import trace_side
+
+    return trace_side(trace, split)
+
+
 def is_closed_loop(trace: str) -> bool:
     """Whether bundled trace or trace file ``trace`` is closed loop (agent sessions); loads it once."""
     return _loaded(trace).closed_loop
@@ -876,11 +891,16 @@ def describe_traces(spec: GridSpec) -> list[str]:
     """One line per trace: what a side replays and which split sides run (printed before the grid)."""
     lines = []
     for t in spec.traces:
-        n = spec.subset(t)
-        unit, flag = ("sessions", "--max-sessions") if is_closed_loop(t) else ("requests", "--max-requests")
-        sides = ",".join(spec.splits_for(t))
-        origin = "bundled" if is_bundled(t) else "file, no shared dev/held-out split"
-        lines.append(f"{t} ({origin}): first {n} {unit} ({flag}) of split side(s) {sides} (--splits)")
+        closed = is_closed_loop(t)
+        unit, flag = ("sessions", "--max-sessions") if closed else ("requests", "--max-requests")
+        for side in spec.splits_for(t):
+            n = spec.subset(t, side)
+            note = ""
+            if closed and spec.max_sessions is None and spec.max_requests is not None:
+                note = f", the fewest whole sessions holding {spec.max_requests} requests (--max-requests)"
+                flag = "--max-sessions counts sessions"
+            origin = "bundled" if is_bundled(t) else "file, no shared dev/held-out split"
+            lines.append(f"{t} ({origin}) [{side}]: first {n} {unit}{note} ({flag}; --splits picks sides)")
     return lines
 
 
@@ -997,7 +1017,8 @@ def run_compare(
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "grid": {
             **asdict(spec),
-            "subsets": {t: spec.subset(t) for t in spec.traces},
+            "subsets": {t: spec.subset(t, spec.splits_for(t)[0]) for t in spec.traces},
+            "subsets_by_side": {t: {x: spec.subset(t, x) for x in spec.splits_for(t)} for t in spec.traces},
             "subset_units": {t: "sessions" if is_closed_loop(t) else "requests" for t in spec.traces},
             "splits_run": {t: list(spec.splits_for(t)) for t in spec.traces},
             "seed_list": list(seeds),
