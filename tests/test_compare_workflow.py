@@ -262,6 +262,10 @@ def test_simulate_requests_out_has_one_row_per_request(tmp_path: Path) -> None:
     assert len(borrowed) == round(metrics["borrowed_share"] * 80)
     assert borrowed["lease_id"].notna().all() and df.loc[df["path"] == "normal", "lease_id"].isna().all()
     assert df["decision_reason"].notna().all()
+    assert main([*argv, "--no-progress", "--requests-out", str(tmp_path)]) == 2  # a folder: refused first
+    out = tmp_path / "never"
+    assert main(["compare", "--requests-out", str(tmp_path), "--out", str(out), "--no-wandb"]) == 2
+    assert not out.exists()
 
 
 # ---- policy bundles ------------------------------------------------------------------------------------

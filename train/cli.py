@@ -345,10 +345,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
         from interference_model.artifact import load_predictor
 
         predictor = load_predictor(artifact, gpu=args.gpu, model=args.model, tp=point.resolved_tp)
-    if args.requests_out is not None and Path(args.requests_out).is_dir():
-        raise ValueError(
-            f"--requests-out: {args.requests_out} is a folder; give a file such as requests.parquet"
-        )
+    if args.requests_out is not None:
+        from train.requests_out import check_requests_out
+
+        check_requests_out(args.requests_out)
     result = run_point(
         point,
         progress=not args.no_progress,

@@ -940,8 +940,10 @@ def run_compare(
     ):
         artifacts.update({m: resolve_artifact(spec, m) for m in spec.models})
     validate_artifacts(spec, artifacts)
-    if requests_out is not None and Path(requests_out).is_dir():
-        raise ValueError(f"--requests-out: {requests_out} is a folder; give a file such as requests.parquet")
+    if requests_out is not None:
+        from train.requests_out import check_requests_out
+
+        check_requests_out(requests_out)
     out.mkdir(parents=True, exist_ok=True)
     requests_dir = str(out / "requests") if requests_out is not None else None
     runner = _Runner(out, jobs, progress, backend)

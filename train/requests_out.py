@@ -68,12 +68,17 @@ def _get(last: Mapping[int, Mapping[str, Any]], rid: Any, key: str) -> Any:
     return None if value is None else value
 
 
+def check_requests_out(path: str | os.PathLike[str]) -> None:
+    """Refuse a ``--requests-out`` that is an existing folder (called before any simulation runs)."""
+    if Path(path).is_dir():
+        raise ValueError(f"--requests-out: {path} is a folder; give a file path such as requests.parquet")
+
+
 def write_parquet(frames: Iterable[pd.DataFrame], path: str | os.PathLike[str]) -> int:
     """Concatenate ``frames`` and write them to ``path`` atomically (temp file, then rename); returns
     the row count. Refuses a path that is an existing folder (naming it)."""
+    check_requests_out(path)
     out = Path(path)
-    if out.is_dir():
-        raise ValueError(f"--requests-out: {out} is a folder; give a file path such as requests.parquet")
     parts = [f for f in frames if len(f)]
     table = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(COLUMNS))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,4 +94,4 @@ def write_parquet(frames: Iterable[pd.DataFrame], path: str | os.PathLike[str]) 
     return len(table)
 
 
-__all__ = ["COLUMNS", "requests_table", "write_parquet"]
+__all__ = ["COLUMNS", "check_requests_out", "requests_table", "write_parquet"]
