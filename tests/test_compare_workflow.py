@@ -372,18 +372,25 @@ def test_wandb_offline_runs_tables_plots_and_results_artifact(
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    from policies.bundle import write_policy_bundle
+
+    write_policy_bundle(tmp_path / "lend", name="lend", policy="utilisation")
     spec = _tiny(seeds=2, latency_loads=(1.0,), throughput_loads=(2.0,))
-    results = run_compare(spec, tmp_path / "run", use_wandb=True)
+    results = run_compare(spec, tmp_path / "run", use_wandb=True, bundles=[str(tmp_path / "lend")])
     info = results["wandb"]
-    assert info["runs"] == 3 and info["group"].startswith("run@")  # 2 (point, policy) runs + the summary
+    assert info["runs"] == 5 and info["group"].startswith("run@")  # 2 points x 2 policies + the summary
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 3
+    assert len(runs) == 5
+    # the bundle a run used is referenced by hash (offline W&B refuses use_artifact)
+    logs = [next(r.glob("*.wandb")).read_bytes() for r in runs]  # offline: config lives in the log
+    assert sum(b"input_bundle-lend" in b for b in logs) == 2
+    assert not any(b"model_sha256" in b for b in logs)  # neither static nor utilisation uses a model
     media = [p.relative_to(tmp_path) for r in runs for p in (r / "files" / "media").rglob("*") if p.is_file()]
     names = [p.name for p in media]
-    assert sum(n.startswith("seeds_") and n.endswith(".table.json") for n in names) == 2
+    assert sum(n.startswith("seeds_") and n.endswith(".table.json") for n in names) == 4
     assert sum(n.startswith("comparison_") for n in names) == 1
     assert sum(n.endswith(".png") for n in names) == len(list((tmp_path / "run").glob("*.png")))
     seeds = next(p for r in runs for p in (r / "files" / "media").rglob("seeds_*.table.json"))
     table = json.loads(seeds.read_text())
     assert len(table["data"]) == 2 and table["columns"][0] == "seed"
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["wandb"]["runs"] == 3
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["wandb"]["runs"] == 5

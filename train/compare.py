@@ -1321,6 +1321,7 @@ def _log_wandb(
 
     wandb_log.default_to_offline()
     group = f"{out.name}@{results['created_utc']}"
+    bundles = results.get("bundles") or {}
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for p in results["points"]:
         if p.get("metrics"):
@@ -1394,6 +1395,7 @@ def _log_wandb(
                 artifact_dir=artifact_of(artifacts, policy, model)
                 if policy_spec(policy).needs_predictor
                 else None,
+                input_folders={f"bundle-{policy}": bundles[policy]["folder"]} if policy in bundles else {},
             )
         )
     columns, table = comparison_rows(results["summary"])
