@@ -385,6 +385,7 @@ def test_wandb_offline_runs_tables_plots_and_results_artifact(
     logs = [next(r.glob("*.wandb")).read_bytes() for r in runs]  # offline: config lives in the log
     assert sum(b"input_bundle-lend" in b for b in logs) == 2
     assert not any(b"model_sha256" in b for b in logs)  # neither static nor utilisation uses a model
+    assert sum(b"compare-results" in b for b in logs) == 1  # results.json + report.md, as an artifact
     media = [p.relative_to(tmp_path) for r in runs for p in (r / "files" / "media").rglob("*") if p.is_file()]
     names = [p.name for p in media]
     assert sum(n.startswith("seeds_") and n.endswith(".table.json") for n in names) == 4

@@ -14,8 +14,9 @@ For every (trace, model, shape, split side) and every seed (see ``docs/compare.m
 Every policy at a (point, seed) replays the same arrivals (open-loop traces are re-timed per seed,
 ``envs.arrivals.poisson_retime``; closed-loop ones draw their session starts from the seed), so
 changes vs static are paired by seed (``train.stats``). The run folder gets ``results.json``,
-``report.md``, PNGs, ``searches.json`` (the cached searches; rerunning into the folder reuses them) and,
-unless ``--no-wandb``, one offline W&B run per (policy, point).
+``report.md``, PNGs, ``finished/`` (one file per finished simulation or search, keyed by its
+configuration and the code version; rerunning into the folder skips them, ``_Runner``) and, unless
+``--no-wandb``, one offline W&B run per (policy, point) plus a summary run (``_log_wandb``).
 """
 
 from __future__ import annotations
