@@ -26,6 +26,13 @@ def _plain(payload: Any) -> Any:
     return json.loads(dumps(payload))
 
 
+def _flush_wandb() -> None:
+    """Offline W&B writes its run logs from a service process after ``finish`` returns: stop it."""
+    import wandb
+
+    wandb.teardown()
+
+
 def _parse(*argv: str) -> Any:
     return build_parser().parse_args(list(argv))
 
@@ -281,6 +288,10 @@ def test_policy_bundle_round_trip_tamper_and_wandb_cache(
     )
     bundle = load_policy_bundle(folder)
     assert (bundle.policy, bundle.version, dict(bundle.params)) == ("heuristic", 1, {"node.ttl_s": 4.0})
+    assert main(["bundle", "--policy", "utilisation", "--out", str(tmp_path / "u"), "--log-wandb"]) == 0
+    _flush_wandb()
+    (logged,) = (tmp_path / "wandb").glob("offline-run-*")  # offline: uploaded by `wandb sync`
+    assert b"policy-bundle" in next(logged.glob("*.wandb")).read_bytes()
     assert bundle.interference_model == folder / "interference_model" and bundle.rl_policy is None
     base = ["simulate", "--trace", "mooncake", "--max-requests", "60", "--no-progress"]
     assert main([*base, "--policy-bundle", str(folder), "--json", str(tmp_path / "b.json")]) == 0
@@ -382,6 +393,7 @@ def test_wandb_offline_runs_tables_plots_and_results_artifact(
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 5
     # the bundle a run used is referenced by hash (offline W&B refuses use_artifact)
+    _flush_wandb()
     logs = [next(r.glob("*.wandb")).read_bytes() for r in runs]  # offline: config lives in the log
     assert sum(b"input_bundle-lend" in b for b in logs) == 2
     assert not any(b"model_sha256" in b for b in logs)  # neither static nor utilisation uses a model

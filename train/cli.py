@@ -401,6 +401,12 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
         "--rl-policy", default=None, metavar="PATH",
         help="RL weights (.npz + .json) for policy rl (default: the shipped ones)",
     )  # fmt: skip
+    p.add_argument(
+        "--log-wandb",
+        action="store_true",
+        help="also log the bundle as a versioned W&B artifact (type policy-bundle; offline unless you chose "
+        "online: `wandb sync` uploads it)",
+    )
     p.set_defaults(func=_run_bundle)
 
 
@@ -441,6 +447,11 @@ def _run_bundle(args: argparse.Namespace) -> int:
     print(
         f"bundle {bundle.name} v{bundle.version} ({bundle.policy}, digest {bundle.digest[:12]}) -> {args.out}"
     )
+    if args.log_wandb:
+        from train.wandb_log import log_bundle
+
+        run_dir = log_bundle(args.out, wandb_dir=Path(args.out).parent)
+        print(f"  W&B artifact {bundle.name} (type policy-bundle) logged in {run_dir}")
     return 0
 
 

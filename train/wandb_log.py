@@ -121,6 +121,33 @@ def _use_folder(run: Any, name: str, folder: str) -> dict[str, Any]:
         return {**ref, "link": "config"}
 
 
+def log_bundle(
+    folder: str | os.PathLike[str], *, wandb_dir: str | os.PathLike[str], project: str = DEFAULT_PROJECT
+) -> str:
+    """Log a policy bundle folder as a versioned ``policy-bundle`` artifact named after the bundle, in
+    a ``job_type="bundle"`` run; returns the local run folder. Offline, the artifact is uploaded by
+    ``wandb sync`` and then resolves as ``wandb:ENTITY/PROJECT/NAME:v0`` (``policies.bundle``)."""
+    import wandb
+
+    from policies.bundle import load_policy_bundle
+
+    default_to_offline()
+    bundle = load_policy_bundle(folder)
+    Path(wandb_dir).mkdir(parents=True, exist_ok=True)
+    meta = {"policy": bundle.policy, "version": bundle.version, "digest": bundle.digest}
+    run = wandb.init(
+        project=project, name=f"bundle|{bundle.name}", job_type="bundle", config=meta, dir=str(wandb_dir)
+    )
+    artifact = wandb.Artifact(
+        bundle.name, type="policy-bundle", metadata={**meta, "files": dict(bundle.files)}
+    )
+    artifact.add_dir(str(folder))
+    run.log_artifact(artifact)
+    where = str(Path(run.dir).parent)
+    run.finish()
+    return where
+
+
 def log_runs(
     runs: Sequence[RunLog], *, wandb_dir: str | os.PathLike[str], project: str = DEFAULT_PROJECT
 ) -> list[str]:
