@@ -338,14 +338,19 @@ def test_rl_policy_flag_loads_the_given_weights_and_names_a_broken_file(
 @pytest.mark.ray
 def test_ray_backend_gives_the_process_backends_results(tmp_path: Path) -> None:
     pytest.importorskip("ray")
+    from policies.bundle import write_policy_bundle
+
+    write_policy_bundle(tmp_path / "lend", name="lend", policy="utilisation")
+    bundles = [str(tmp_path / "lend")]
     spec = _tiny(latency_loads=(1.0,), throughput_loads=(2.0,))
-    local = run_compare(spec, tmp_path / "local", jobs=2)
+    local = run_compare(spec, tmp_path / "local", jobs=2, bundles=bundles)
     backend = compare.RayBackend(None, num_cpus=2)
     try:
-        remote = run_compare(spec, tmp_path / "ray", backend=backend)
+        remote = run_compare(spec, tmp_path / "ray", backend=backend, bundles=bundles)
     finally:
         backend.ray.shutdown()
-    assert remote["backend"] == "ray"
+    assert remote["backend"] == "ray" and not remote["failed"]
+    assert {p["policy"] for p in remote["points"]} == {"static", "lend"}  # a bundle runs on Ray too
     strip = ("wall_s", "rerun")
     assert _plain([{k: v for k, v in p.items() if k not in strip} for p in remote["points"]]) == _plain(
         [{k: v for k, v in p.items() if k not in strip} for p in local["points"]]

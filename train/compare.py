@@ -575,7 +575,8 @@ def add_bundles(
 
     Each bundle is registered in the catalog as an alias of its policy (same node and path policy), so
     the report and W&B name it; its parameters go into ``spec.policy_params``. The process pool's
-    workers are forked after this and inherit the registration (the Ray backend refuses bundles).
+    workers are forked after this and inherit the registration; Ray workers register the aliases the
+    backend hands them (``RayBackend.aliases``).
     """
     from policies.bundle import load_policy_bundle, resolve_bundle
     from policies.catalog import PolicySpec, register_policy
@@ -818,14 +819,17 @@ class RayBackend:
                 kwargs["num_cpus"] = num_cpus
             ray.init(**kwargs)
         self.address = address
+        self.aliases: tuple[Any, ...] = ()
+        """Catalog entries (``PolicySpec``) a worker must register first: the policy bundles' aliases,
+        which a Ray worker, unlike a forked process, does not inherit."""
 
     def map(
         self, fn: Callable[[Any], dict[str, Any]], items: Sequence[Any], desc: str, progress: bool
     ) -> Iterable[dict[str, Any]]:
         from tqdm import tqdm
 
-        remote = self.ray.remote(fn)
-        refs = [remote.remote(item) for item in items]
+        remote = self.ray.remote(_with_aliases)
+        refs = [remote.remote(self.aliases, fn, item) for item in items]
         with tqdm(total=len(refs), desc=desc, disable=not progress, leave=False, file=sys.stderr) as bar:
             try:
                 while refs:
@@ -836,6 +840,16 @@ class RayBackend:
                 for ref in refs:
                     self.ray.cancel(ref, force=True)
                 raise
+
+
+def _with_aliases(aliases: Sequence[Any], fn: Callable[[Any], dict[str, Any]], item: Any) -> dict[str, Any]:
+    """Ray task body: register ``aliases`` in this worker's catalog (once), then run ``fn(item)``."""
+    from policies.catalog import register_policy
+
+    for alias in aliases:
+        if alias.name not in policy_names():
+            register_policy(alias)
+    return fn(item)
 
 
 def make_backend(args: argparse.Namespace) -> RayBackend | None:
@@ -929,11 +943,9 @@ def run_compare(
     artifacts: dict[str, str] = {}
     bundle_info: dict[str, dict[str, Any]] = {}
     if bundles:
-        if backend is not None:
-            raise ValueError(
-                "--policy-bundle: not supported with --backend ray yet (use the process backend)"
-            )
         spec, artifacts, bundle_info = add_bundles(spec, bundles)
+        if backend is not None:
+            backend.aliases = tuple(policy_spec(name) for name in bundle_info)
     if predictor is None and any(
         policy_spec(p).needs_predictor and not artifact_of(artifacts, p, m)
         for p in spec.policies
