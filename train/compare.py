@@ -726,8 +726,9 @@ class _Runner:
             return None
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: corrupt finished-job file ({exc}); delete it to recompute") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # written atomically: edited by hand
+            print(f"compare: {path}: unreadable ({exc}); running that job again", file=sys.stderr)
+            return None
         result = data.get("result") if isinstance(data, dict) else None
         return result if isinstance(result, dict) and not result.get("error") else None
 
