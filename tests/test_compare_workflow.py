@@ -368,6 +368,10 @@ def test_compare_runs_a_policy_bundle_under_its_name(tmp_path: Path) -> None:
         folder, name="mine", policy="heuristic", interference_model=DATA_DIR / "h200_gpt-oss-120b_tp1"
     )
     spec = _tiny(policies=("static", "heuristic"), latency_loads=(1.0,), throughput_loads=(2.0,))
+    write_policy_bundle(tmp_path / "clash", name="static", policy="utilisation")
+    with pytest.raises(ValueError, match="already a catalog policy"):
+        run_compare(spec, tmp_path / "never", bundles=[str(tmp_path / "clash")])
+    assert not (tmp_path / "never").exists()
     results = run_compare(spec, tmp_path / "run", bundles=[str(folder)])
     assert not results["failed"] and results["bundles"]["mine"]["policy"] == "heuristic"
     rows = {(p["policy"], p["regime"]): p for p in results["points"]}

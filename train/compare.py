@@ -567,6 +567,10 @@ def artifact_of(artifacts: dict[str, str], policy: str, model: str) -> str | Non
     return artifacts.get(f"{policy}|{model}") or artifacts.get(model)
 
 
+BUNDLE_SOURCE = "policy bundle "
+"""``PolicySpec.source`` prefix of the catalog aliases ``add_bundles`` registers."""
+
+
 def add_bundles(
     spec: GridSpec, refs: Sequence[str]
 ) -> tuple[GridSpec, dict[str, str], dict[str, dict[str, Any]]]:
@@ -591,9 +595,10 @@ def add_bundles(
             f"policy bundle {bundle.name} v{bundle.version} ({bundle.policy}, digest {bundle.digest[:12]})",
             node=base.node,
             path=base.path,
-            source=f"policy bundle {ref}",
+            source=f"{BUNDLE_SOURCE}{ref}",
         )
-        if bundle.name in policy_names() and policy_spec(bundle.name).source != alias.source:
+        # a name of the catalog's own is refused; an alias of an earlier bundle is replaced
+        if bundle.name in policy_names() and not policy_spec(bundle.name).source.startswith(BUNDLE_SOURCE):
             raise ValueError(f"--policy-bundle {ref}: name {bundle.name!r} is already a catalog policy")
         register_policy(alias, replace=True)
         if bundle.name not in policies:
