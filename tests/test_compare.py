@@ -133,7 +133,12 @@ def _cap(policy: str, shape: str, seed: int, load: float, threshold: float = 0.9
 
 def test_hindsight_split_picks_the_best_capacity_per_seed() -> None:
     spec = GridSpec(
-        policies=("static", "hindsight-split"), traces=("t",), models=("m",), shapes=("1P2D",), seeds=2
+        policies=("static", "hindsight-split"),
+        traces=("t",),
+        models=("m",),
+        shapes=("1P2D",),
+        seeds=2,
+        splits=("heldout",),
     )
     caps = [
         _cap("static", "1P2D", 0, 1.0),
@@ -290,11 +295,11 @@ def test_compare_cli_end_to_end(tmp_path: Path) -> None:
     assert "## GPUs needed" in md and "2 seed(s)" in md
     pngs = sorted(p.name for p in out.glob("*.png"))
     slug = "mooncake_gpt-oss-120b_heldout_2P4D"
-    assert pngs == [f"capacity_{slug}.png", f"latency_{slug}.png", f"timeline_{slug}.png"]
+    assert pngs == [f"{k}_{slug}.png" for k in ("capacity", "latency", "throughput", "timeline")]
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     # a second run in the same folder reuses every cached search
-    cached = json.loads((out / "searches.json").read_text())
-    assert sum(1 for k in cached if k.startswith("capacity|")) == len(results["capacity"])
+    cached = [json.loads(p.read_text()) for p in (out / "finished").glob("*.json")]
+    assert sum(1 for r in cached if r["config"]["kind"] == "CapacityJob") == len(results["capacity"])
 
 
 class ConstantPredictor:

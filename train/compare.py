@@ -14,8 +14,9 @@ For every (trace, model, shape, split side) and every seed (see ``docs/compare.m
 Every policy at a (point, seed) replays the same arrivals (open-loop traces are re-timed per seed,
 ``envs.arrivals.poisson_retime``; closed-loop ones draw their session starts from the seed), so
 changes vs static are paired by seed (``train.stats``). The run folder gets ``results.json``,
-``report.md``, PNGs, ``searches.json`` (the cached searches; rerunning into the folder reuses them) and,
-unless ``--no-wandb``, one offline W&B run per (policy, point).
+``report.md``, PNGs, ``finished/`` (one file per finished simulation or search, keyed by its
+configuration and the code version; rerunning into the folder skips them, ``_Runner``) and, unless
+``--no-wandb``, one offline W&B run per (policy, point) plus a summary run (``_log_wandb``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -45,8 +47,11 @@ from envs.splits import ALL, SIDES
 from policies.catalog import describe_params, policy_names, policy_spec
 from policies.slo import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
 from train import bound, report
+from train.cli_fields import add_field, resolve, show
+from train.cli_types import non_negative_int, positive_int
 from train.experiment import (
     DEFAULT_SESSION_RATE_PER_S,
+    DEFAULT_TP,
     OPEN_LOOP_ARRIVALS,
     Point,
     default_tp,
@@ -84,6 +89,8 @@ DEFAULT_SPLITS: tuple[str, ...] = ("heldout",)
 FULL_SPLITS: tuple[str, ...] = ("heldout", "dev")
 DEFAULT_SUBSET = {"agent": 60, "mooncake": 1000, "mooncake-synthetic": 1000, "azure-code": 1000}
 """Default grid: first N sessions (agent) or requests (open-loop) of the split side."""
+FILE_SUBSET = 1000
+"""A trace file (not bundled): first N requests (open loop) or sessions (closed loop)."""
 
 FULL_TRACES = ("agent", "mooncake")
 FULL_MODELS = ("gpt-oss-120b", "glm-5")
@@ -112,12 +119,19 @@ class GridSpec:
     latency_loads: tuple[float, ...] = LATENCY_LOADS
     throughput_loads: tuple[float, ...] = THROUGHPUT_LOADS
     gpu: str = "H200"
+    tp: int | None = None
+    """Tensor-parallel degree per worker of every model (None: the per-model default,
+    ``train.experiment.DEFAULT_TP``)."""
     max_requests: int | None = None
+    """Open-loop traces: replay the first N requests of each side (None: the per-trace subset)."""
+    max_sessions: int | None = None
+    """Closed-loop (agent session) traces: replay the first N sessions of each side (None: the subset)."""
     seed: int = 0
     """First seed; the grid runs ``seed, seed + 1, ..., seed + seeds - 1``."""
     seeds: int = DEFAULT_SEEDS
-    splits: tuple[str, ...] = DEFAULT_SPLITS
-    """Split sides (``envs.splits``): ``heldout``, ``dev`` or ``all``."""
+    splits: tuple[str, ...] | None = None
+    """Split sides (``envs.splits``): ``heldout``, ``dev`` or ``all``. None: ``DEFAULT_SPLITS`` (``--full``:
+    ``FULL_SPLITS``) for bundled traces and ``all`` for trace files, which have no shared split."""
     full: bool = False
     interference_model: str | None = None
     """Artifact folder for heuristic/rl (None: the shipped default per model)."""
@@ -134,6 +148,17 @@ class GridSpec:
     """Largest cluster (workers) the GPUs-needed search tries."""
     decode_prefix_cache: bool = False
     """Decode workers keep a radix prefix cache, for every policy (``Point.decode_prefix_cache``)."""
+    policy_params: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    """Per policy name, dotted parameters over its tuned values (``Point.policy_params``); set for the
+    policies of ``--policy-bundle`` (``add_bundles``)."""
+
+    def __post_init__(self) -> None:
+        if self.max_workers < 2:
+            raise ValueError(f"--max-workers must be >= 2, got {self.max_workers}")
+        for name in ("seeds", "max_requests", "max_sessions", "tp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
     def model_options(self) -> dict[str, Any]:
         return model_options(self)
@@ -142,10 +167,32 @@ class GridSpec:
         """The ``Point`` fields every simulation of the grid shares beyond trace, model and shape."""
         return {**model_options(self), "decode_prefix_cache": self.decode_prefix_cache}
 
-    def subset(self, trace: str) -> int | None:
-        if self.max_requests is not None:
+    def subset(self, trace: str, split: str = ALL) -> int | None:
+        """How many units of ``trace`` each side replays: sessions of a closed-loop trace
+        (``max_sessions``; with only ``max_requests`` given, the fewest first sessions of the side that
+        hold that many requests), requests of an open-loop one (``max_requests``), else the per-trace
+        subset."""
+        if is_closed_loop(trace):
+            if self.max_sessions is not None:
+                return self.max_sessions
+            if self.max_requests is not None:
+                from train.cli import sessions_holding
+
+                return sessions_holding(_side(trace, split), self.max_requests)
+        elif self.max_requests is not None:
             return self.max_requests
-        return (FULL_SUBSET if self.full else DEFAULT_SUBSET).get(trace, 1000)
+        return (FULL_SUBSET if self.full else DEFAULT_SUBSET).get(trace, FILE_SUBSET)
+
+    def splits_for(self, trace: str) -> tuple[str, ...]:
+        """The split sides ``trace`` runs on (see ``splits``)."""
+        if self.splits is not None:
+            return self.splits
+        if not is_bundled(trace):
+            return (ALL,)
+        return FULL_SPLITS if self.full else DEFAULT_SPLITS
+
+    def resolved_tp(self, model: str) -> int:
+        return self.tp if self.tp is not None else default_tp(model)
 
     def seed_list(self) -> tuple[int, ...]:
         return tuple(range(self.seed, self.seed + self.seeds))
@@ -160,14 +207,16 @@ class GridSpec:
             trace=combo.trace,
             model=combo.model,
             gpu=self.gpu,
+            tp=self.tp,
             shape=shape,
             load=load,
-            max_requests=self.subset(combo.trace),
+            max_requests=self.subset(combo.trace, combo.split),
             seed=seed,
             split=combo.split,
             open_loop_arrivals=self.open_loop_arrivals,
             slo_ttft_s=self.slo_ttft_s,
             slo_tpot_s=self.slo_tpot_s,
+            policy_params=dict(self.policy_params).get(policy, ()),
             **self.point_options(),
         )
 
@@ -195,6 +244,17 @@ class SimTask:
     """An injected predictor object (tests); overrides ``artifact_dir``."""
     regime: str = "latency"
     load_fraction: float = 1.0
+    requests_dir: str | None = field(default=None, compare=False)
+    """Write this simulation's per-request table there (``requests_part``), for ``--requests-out``."""
+
+
+def requests_part(task: SimTask) -> Path:
+    """Where ``task``'s per-request table is written (a file per simulation label)."""
+    import hashlib
+
+    assert task.requests_dir is not None
+    digest = hashlib.sha256(task.point.label().encode()).hexdigest()[:24]
+    return Path(task.requests_dir) / f"{digest}.parquet"
 
 
 @dataclass(frozen=True)
@@ -347,6 +407,16 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
         out.update(error=f"{type(exc).__name__}: {exc}", metrics=None, wall_s=time.perf_counter() - t0)
         return out
     metrics = result.metrics.to_dict()
+    from train.cli import simulate_command
+
+    trace = trace_for(point)
+    cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
+    out["rerun"] = simulate_command(
+        point,
+        closed_loop=trace.closed_loop,
+        artifact_dir=task.artifact_dir if policy_spec(point.policy).needs_predictor else None,
+        max_sim_time_s=cap if math.isfinite(cap) else None,
+    ) + (" # needs the injected predictor" if task.predictor is not None else "")
     out.update(
         metrics=metrics,
         served_slo_share=served_slo_share(metrics),
@@ -356,6 +426,17 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
         error=None,
         time_capped=capped,
     )
+    if task.requests_dir is not None:
+        from train.requests_out import requests_table, write_parquet
+
+        table = requests_table(result)
+        for col, value in (
+            ("point", point.label()), ("policy", point.policy), ("trace", point.trace),
+            ("model", point.model), ("shape", point.shape), ("split", point.split), ("load", point.load),
+            ("seed", point.seed),
+        ):  # fmt: skip
+            table.insert(0, col, value)
+        write_parquet([table], requests_part(task))
     if task.detail:
         out["timeline"] = {
             k: [float(v) for v in col] for k, col in result.timeline.to_dict(orient="list").items()
@@ -470,7 +551,7 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
     folder = (
         Path(spec.interference_model)
         if spec.interference_model
-        else (DATA_DIR / artifact_slug(spec.gpu, model, default_tp(model)))
+        else (DATA_DIR / artifact_slug(spec.gpu, model, spec.resolved_tp(model)))
     )
     if not (folder / "metadata.json").is_file():
         needing = [p for p in spec.policies if policy_spec(p).needs_predictor]
@@ -479,6 +560,74 @@ def resolve_artifact(spec: GridSpec, model: str) -> str:
             f"on {model}); pass --interference-model PATH or fit one with `crossflow fit-interference`"
         )
     return str(folder)
+
+
+def artifact_of(artifacts: dict[str, str], policy: str, model: str) -> str | None:
+    """The interference-model folder ``policy`` uses on ``model``: its bundle's, else the grid's."""
+    return artifacts.get(f"{policy}|{model}") or artifacts.get(model)
+
+
+BUNDLE_SOURCE = "policy bundle "
+"""``PolicySpec.source`` prefix of the catalog aliases ``add_bundles`` registers."""
+
+
+def add_bundles(
+    spec: GridSpec, refs: Sequence[str]
+) -> tuple[GridSpec, dict[str, str], dict[str, dict[str, Any]]]:
+    """``spec`` with the policy of every bundle in ``refs`` (folders or ``wandb:`` references) added
+    under the bundle's name, and the bundles' interference models as ``artifact_of`` keys.
+
+    Each bundle is registered in the catalog as an alias of its policy (same node and path policy), so
+    the report and W&B name it; its parameters go into ``spec.policy_params``. The process pool's
+    workers are forked after this and inherit the registration; Ray workers register the aliases the
+    backend hands them (``RayBackend.aliases``).
+    """
+    from policies.bundle import load_policy_bundle, resolve_bundle
+    from policies.catalog import PolicySpec, register_policy
+
+    policies, params, artifacts = list(spec.policies), dict(spec.policy_params), {}
+    info: dict[str, dict[str, Any]] = {}
+    for ref in refs:
+        bundle = load_policy_bundle(resolve_bundle(ref))
+        base = policy_spec(bundle.policy)
+        alias = PolicySpec(
+            bundle.name,
+            f"policy bundle {bundle.name} v{bundle.version} ({bundle.policy}, digest {bundle.digest[:12]})",
+            node=base.node,
+            path=base.path,
+            source=f"{BUNDLE_SOURCE}{ref}",
+        )
+        # a name of the catalog's own is refused; an alias of an earlier bundle is replaced
+        if bundle.name in policy_names() and not policy_spec(bundle.name).source.startswith(BUNDLE_SOURCE):
+            raise ValueError(f"--policy-bundle {ref}: name {bundle.name!r} is already a catalog policy")
+        register_policy(alias, replace=True)
+        if bundle.name not in policies:
+            policies.append(bundle.name)
+        params[bundle.name] = bundle.point_params()
+        info[bundle.name] = {
+            "ref": str(ref), "folder": str(bundle.folder), "version": bundle.version,
+            "policy": bundle.policy, "digest": bundle.digest,
+        }  # fmt: skip
+        if bundle.interference_model is not None:
+            for model in spec.models:
+                artifacts[f"{bundle.name}|{model}"] = str(bundle.interference_model)
+    new = replace(spec, policies=tuple(policies), policy_params=tuple(sorted(params.items())))
+    return new, artifacts, info
+
+
+def validate_artifacts(spec: GridSpec, artifacts: dict[str, str]) -> None:
+    """Load every artifact the grid will use (interference model per model, the tuned values, RL
+    weights) so a corrupt one fails before any simulation starts, naming its file."""
+    from policies.catalog import TUNED_FILE, load_tuned
+
+    load_tuned(TUNED_FILE)
+    for key, folder in artifacts.items():
+        model = key.rpartition("|")[2]
+        _cached_predictor(folder, spec.gpu, model, spec.resolved_tp(model))
+    if any(policy_spec(p).node == "rl" for p in spec.simulated_policies()):
+        from policies.rl_policy import DEFAULT_ARTIFACT, load_artifact
+
+        load_artifact(DEFAULT_ARTIFACT)
 
 
 def same_gpu_splits(shape: str) -> list[str]:
@@ -520,53 +669,202 @@ def _map(
         bar.close()
 
 
-class _Runner:
-    """Runs job lists in parallel, caching finished searches in ``searches.json`` of the run folder."""
+FINISHED_DIR = "finished"
+"""Run-folder subfolder with one ``<key>.json`` per finished simulation or search (``_Runner``)."""
 
-    def __init__(self, out: Path, jobs: int, progress: bool) -> None:
-        self.path = out / "searches.json"
+
+def job_name(job: Any) -> str:
+    return job.point.label() if isinstance(job, SimTask) else job.name()
+
+
+@functools.lru_cache(maxsize=16)
+def _artifact_identity(folder: str) -> dict[str, Any]:
+    from train.wandb_log import artifact_reference
+
+    return artifact_reference(folder)
+
+
+def job_config(job: Any) -> dict[str, Any]:
+    """Everything a job's result depends on besides the code: its kind and name, the full point, the
+    policy's tuned values and the interference model by hash (an injected predictor by type)."""
+    from policies.catalog import tuned_params
+
+    spec = policy_spec(job.point.policy)
+    config: dict[str, Any] = {
+        "kind": type(job).__name__,
+        "name": job_name(job),
+        "point": job.point.to_dict(),
+        "tuned": tuned_params(job.point.policy) if not spec.passive else {},
+    }
+    if isinstance(job, SimTask):
+        config["detail"] = job.detail
+    if spec.needs_predictor:
+        if job.predictor is not None:
+            config["predictor"] = (
+                f"injected:{type(job.predictor).__module__}.{type(job.predictor).__qualname__}"
+            )
+        elif job.artifact_dir is not None:
+            config["predictor"] = _artifact_identity(job.artifact_dir)
+    return config
+
+
+class _Runner:
+    """Runs job lists in parallel; each finished job (simulation or search) is written to
+    ``finished/<key>.json`` as it finishes (``key``: ``train.provenance.config_key`` of ``job_config``),
+    and a job whose file exists without an error is not run again."""
+
+    def __init__(self, out: Path, jobs: int, progress: bool, backend: Any = None) -> None:
+        from train.provenance import code_version
+
+        self.dir = out / FINISHED_DIR
         self.jobs, self.progress = jobs, progress
+        self.code = code_version()
+        self.backend = backend
         # one pool for every stage: its workers keep their prepared traces and predictors
-        self.pool = cf.ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
-        self.cache: dict[str, Any] = {}
-        if self.path.is_file():
-            try:
-                self.cache = json.loads(self.path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{self.path}: corrupt search cache ({exc}); delete it to recompute"
-                ) from exc
+        self.pool = cf.ProcessPoolExecutor(max_workers=jobs) if jobs > 1 and backend is None else None
+        self.reused = self.ran = 0
+        self.used: set[str] = set()
+
+    def _load(self, key: str) -> dict[str, Any] | None:
+        path = self.dir / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # written atomically: edited by hand
+            print(f"compare: {path}: unreadable ({exc}); running that job again", file=sys.stderr)
+            return None
+        result = data.get("result") if isinstance(data, dict) else None
+        return result if isinstance(result, dict) and not result.get("error") else None
 
     def run(self, items: Sequence[Any], desc: str) -> list[dict[str, Any]]:
         """Results in the order of ``items``; an item equal to an earlier one (same simulation or same
-        search) is run once, a search found in ``searches.json`` is not run again."""
+        search) is run once, one already in ``finished/`` is not run again."""
+        from train.provenance import config_key
+
         results: dict[int, dict[str, Any]] = {}
         first_of: dict[str, int] = {}
+        keys: dict[int, tuple[str, dict[str, Any]]] = {}
         todo: list[tuple[int, Any]] = []
         for i, item in enumerate(items):
-            name = item.point.label() if isinstance(item, SimTask) else item.name()
+            name = job_name(item)
             if name in first_of:
                 continue
             first_of[name] = i
-            cached = self.cache.get(name) if not isinstance(item, SimTask) else None
-            if cached is not None and not cached.get("error"):
+            config = job_config(item)
+            key = config_key(config)
+            keys[i] = (key, config)
+            self.used.add(key)
+            cached = self._load(key)
+            if isinstance(item, SimTask) and item.requests_dir and not requests_part(item).is_file():
+                cached = None  # finished before without its per-request table: run it again
+            if cached is not None:
                 results[i] = cached
+                self.reused += 1
             else:
                 todo.append((i, item))
         # the slowest jobs first, so the pool ends evenly
         pending = sorted(todo, key=lambda t: _expected_cost(t[1]), reverse=True)
-        for res in _map(_run_job_indexed, pending, self.jobs, desc, self.progress, self.pool):
+        runs = (
+            self.backend.map(_run_job_indexed, pending, desc, self.progress)
+            if self.backend is not None
+            else _map(_run_job_indexed, pending, self.jobs, desc, self.progress, self.pool)
+        )
+        for res in runs:
             i = res.pop("_index")
             results[i] = res
-            if res.get("kind") in ("capacity", "gpus") and not res.get("error"):
-                self.cache[res["name"]] = res
-                write_json(self.path, self.cache, indent=1)
-        names = [item.point.label() if isinstance(item, SimTask) else item.name() for item in items]
-        return [results[first_of[n]] for n in names]
+            self.ran += 1
+            key, config = keys[i]
+            if not res.get("error"):
+                record = {"key": key, "config": config, "code": self.code, "result": res}
+                write_json(self.dir / f"{key}.json", record, indent=None)
+        return [results[first_of[job_name(item)]] for item in items]
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+    def prune(self) -> int:
+        """Delete finished-job files this run did not use (another code version or grid); returns how
+        many. Called only after a run completed, so an interrupted run keeps everything."""
+        stale = [p for p in self.dir.glob("*.json") if p.stem not in self.used]
+        for path in stale:
+            path.unlink()
+        return len(stale)
+
+    def close(self, cancel: bool = False) -> None:
+        """Shut the pool down; ``cancel`` (Ctrl-C) drops queued jobs and stops running ones at once
+        (their results were never written, so the folder stays consistent)."""
+        pool, self.pool = self.pool, None
+        if pool is None:
+            return
+        if not cancel:
+            pool.shutdown()
+            return
+        workers = list(getattr(pool, "_processes", {}).values())  # no public handle on the workers
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in workers:
+            proc.terminate()
+        for proc in workers:
+            proc.join(timeout=5)
+
+
+class RayBackend:
+    """``--backend ray``: every job is a Ray task (``ray.remote`` of the same worker function the process
+    pool runs, so results are the same); ``address`` None starts a local Ray instance, else joins a
+    cluster (``ray://host:10001`` or ``auto``). Workers import this package, so every node needs
+    Crossflow installed (or a ``runtime_env`` that ships it)."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("--backend ray: Ray is not installed; pip install 'crossflow[ray]'") from None
+        self.ray = ray
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"address": address, "include_dashboard": False, "log_to_driver": False}
+            if address is None and num_cpus is not None:
+                kwargs["num_cpus"] = num_cpus
+            ray.init(**kwargs)
+        self.address = address
+        self.aliases: tuple[Any, ...] = ()
+        """Catalog entries (``PolicySpec``) a worker must register first: the policy bundles' aliases,
+        which a Ray worker, unlike a forked process, does not inherit."""
+
+    def map(
+        self, fn: Callable[[Any], dict[str, Any]], items: Sequence[Any], desc: str, progress: bool
+    ) -> Iterable[dict[str, Any]]:
+        from tqdm import tqdm
+
+        remote = self.ray.remote(_with_aliases)
+        refs = [remote.remote(self.aliases, fn, item) for item in items]
+        with tqdm(total=len(refs), desc=desc, disable=not progress, leave=False, file=sys.stderr) as bar:
+            try:
+                while refs:
+                    done, refs = self.ray.wait(refs, num_returns=1)
+                    yield self.ray.get(done[0])
+                    bar.update()
+            except BaseException:
+                for ref in refs:
+                    self.ray.cancel(ref, force=True)
+                raise
+
+
+def _with_aliases(aliases: Sequence[Any], fn: Callable[[Any], dict[str, Any]], item: Any) -> dict[str, Any]:
+    """Ray task body: register ``aliases`` in this worker's catalog (once), then run ``fn(item)``."""
+    from policies.catalog import register_policy
+
+    for alias in aliases:
+        if alias.name not in policy_names():
+            register_policy(alias)
+    return fn(item)
+
+
+def make_backend(args: argparse.Namespace) -> RayBackend | None:
+    """None (the local process pool) or a ``RayBackend`` for ``--backend ray``."""
+    if args.backend == "process":
+        if args.ray_address is not None:
+            raise ValueError("--ray-address: needs --backend ray")
+        return None
+    return RayBackend(args.ray_address, num_cpus=args.jobs)
 
 
 def _run_job_indexed(item: tuple[int, Any]) -> dict[str, Any]:
@@ -582,7 +880,49 @@ def _expected_cost(job: Any) -> float:
 
 
 def combos(spec: GridSpec) -> list[Combo]:
-    return [Combo(t, m, s) for t in spec.traces for m in spec.models for s in spec.splits]
+    return [Combo(t, m, s) for t in spec.traces for m in spec.models for s in spec.splits_for(t)]
+
+
+def is_bundled(trace: str) -> bool:
+    from envs.traces import BUNDLED_TRACES
+
+    return trace in BUNDLED_TRACES
+
+
+@functools.lru_cache(maxsize=32)
+def _loaded(trace: str) -> Trace:
+    from envs.traces import load_trace
+
+    return load_trace(trace)
+
+
+@functools.lru_cache(maxsize=32)
+def _side(trace: str, split: str) -> Trace:
+    from envs.splits import trace_side
+
+    return trace_side(trace, split)
+
+
+def is_closed_loop(trace: str) -> bool:
+    """Whether bundled trace or trace file ``trace`` is closed loop (agent sessions); loads it once."""
+    return _loaded(trace).closed_loop
+
+
+def describe_traces(spec: GridSpec) -> list[str]:
+    """One line per trace: what a side replays and which split sides run (printed before the grid)."""
+    lines = []
+    for t in spec.traces:
+        closed = is_closed_loop(t)
+        unit, flag = ("sessions", "--max-sessions") if closed else ("requests", "--max-requests")
+        for side in spec.splits_for(t):
+            n = spec.subset(t, side)
+            note = ""
+            if closed and spec.max_sessions is None and spec.max_requests is not None:
+                note = f", the fewest whole sessions holding {spec.max_requests} requests (--max-requests)"
+                flag = "--max-sessions counts sessions"
+            origin = "bundled" if is_bundled(t) else "file, no shared dev/held-out split"
+            lines.append(f"{t} ({origin}) [{side}]: first {n} {unit}{note} ({flag}; --splits picks sides)")
+    return lines
 
 
 def run_compare(
@@ -594,17 +934,41 @@ def run_compare(
     use_wandb: bool = False,
     command: str = "",
     predictor: Any = None,
+    backend: Any = None,
+    requests_out: str | os.PathLike[str] | None = None,
+    bundles: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Run the grid, write results.json, report.md and PNGs into ``out_dir``; return the results dict."""
+    """Run the grid, write results.json, report.md and PNGs into ``out_dir``; return the results dict.
+
+    Every artifact is checked before anything is written (``validate_artifacts``). Finished jobs land in
+    ``out_dir/finished/`` as they finish; on ``KeyboardInterrupt`` the pool is stopped, ``interrupted.json``
+    says what finished and how to resume, and the interrupt propagates.
+    """
     t0 = time.perf_counter()
     out = Path(out_dir)
+    artifacts: dict[str, str] = {}
+    bundle_info: dict[str, dict[str, Any]] = {}
+    if bundles:
+        spec, artifacts, bundle_info = add_bundles(spec, bundles)
+        if backend is not None:
+            backend.aliases = tuple(policy_spec(name) for name in bundle_info)
+    if predictor is None and any(
+        policy_spec(p).needs_predictor and not artifact_of(artifacts, p, m)
+        for p in spec.policies
+        for m in spec.models
+    ):
+        artifacts.update({m: resolve_artifact(spec, m) for m in spec.models})
+    validate_artifacts(spec, artifacts)
+    if requests_out is not None:
+        from train.requests_out import check_requests_out
+
+        check_requests_out(requests_out)
     out.mkdir(parents=True, exist_ok=True)
-    runner = _Runner(out, jobs, progress)
+    requests_dir = str(out / "requests") if requests_out is not None else None
+    runner = _Runner(out, jobs, progress, backend)
+    stage = "static capacity"
     try:
         seeds = spec.seed_list()
-        artifacts: dict[str, str] = {}
-        if predictor is None and any(policy_spec(p).needs_predictor for p in spec.policies):
-            artifacts = {m: resolve_artifact(spec, m) for m in spec.models}
 
         # 1. static capacity at SLO on every grid shape and seed: the saturation, the SLO rule per seed
         stage1 = [
@@ -613,12 +977,14 @@ def run_compare(
             for shape in spec.shapes
             for seed in seeds
         ]
-        static_caps = runner.run(stage1, "static capacity")
+        static_caps = runner.run(stage1, stage)
         saturation = _saturation_table(spec, static_caps)
         sat = {(s["combo"], s["shape"]): s for s in saturation}
 
         # 2. policies' capacity, other splits (hindsight), the regime points, GPUs needed
-        done2 = runner.run(_stage2_jobs(spec, sat, artifacts, predictor), "capacity, regimes, GPUs needed")
+        stage = "capacity, regimes, GPUs needed"
+        jobs2 = _stage2_jobs(spec, sat, artifacts, predictor, requests_dir)
+        done2 = runner.run(jobs2, stage)
         capacities = [r for r in static_caps + done2 if r["kind"] == "capacity"]
         sims = {r["label"]: r for r in done2 if r["kind"] == "sim"}
         gpus = [r for r in done2 if r["kind"] == "gpus"]
@@ -626,17 +992,44 @@ def run_compare(
         # 3. hindsight-split: static on the best split of each seed (simulated where it is not the grid shape)
         hindsight = hindsight_split(spec, capacities, saturation) if HINDSIGHT_SPLIT in spec.policies else []
         stage3 = [
-            SimTask(pt, False, regime=regime, load_fraction=frac)
+            SimTask(pt, False, regime=regime, load_fraction=frac, requests_dir=requests_dir)
             for h in hindsight
             if h["shape"] != h["grid_shape"]
             for regime, frac, pt in _regime_points(spec, sat, h)
             if pt.label() not in sims
         ]
-        done3 = runner.run(stage3, "hindsight split")
+        stage = "hindsight split"
+        done3 = runner.run(stage3, stage)
         for r in done3:
             sims[r["label"]] = r
+    except KeyboardInterrupt:
+        runner.close(cancel=True)
+        note = {
+            "interrupted_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "stage": stage,
+            "finished_this_run": runner.ran,
+            "reused": runner.reused,
+            "finished_total": len(list((out / FINISHED_DIR).glob("*.json"))),
+            "resume": f"{command or 'crossflow compare ...'} (with the same --out) skips every finished job",
+        }
+        write_json(out / "interrupted.json", note)
+        raise
     finally:
         runner.close()
+    (out / "interrupted.json").unlink(missing_ok=True)
+    pruned = runner.prune()
+    requests_written = None
+    if requests_out is not None:
+        import pandas as pd
+
+        from train.requests_out import write_parquet
+
+        tasks = {t.point.label(): t for t in [*jobs2, *stage3] if isinstance(t, SimTask)}
+        requests_written = {
+            "path": str(requests_out),
+            "rows": write_parquet((pd.read_parquet(requests_part(t)) for t in tasks.values()), requests_out),
+            "simulations": len(tasks),
+        }
 
     points = _grid_rows(spec, saturation, sims, hindsight)
     results: dict[str, Any] = {
@@ -645,10 +1038,20 @@ def run_compare(
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "grid": {
             **asdict(spec),
-            "subsets": {t: spec.subset(t) for t in spec.traces},
+            "subsets": {t: spec.subset(t, spec.splits_for(t)[0]) for t in spec.traces},
+            "subsets_by_side": {t: {x: spec.subset(t, x) for x in spec.splits_for(t)} for t in spec.traces},
+            "subset_units": {t: "sessions" if is_closed_loop(t) else "requests" for t in spec.traces},
+            "splits_run": {t: list(spec.splits_for(t)) for t in spec.traces},
             "seed_list": list(seeds),
         },
         "jobs": jobs,
+        "backend": "process" if backend is None else backend.name,
+        "code_version": runner.code,
+        "jobs_run": runner.ran,
+        "jobs_reused": runner.reused,
+        "jobs_pruned": pruned,
+        "requests_out": requests_written,
+        "bundles": bundle_info,
         "slo_share_target": SLO_SHARE_TARGET,
         "capacity_resolution": CAPACITY_RESOLUTION,
         "saturation": saturation,
@@ -662,11 +1065,13 @@ def run_compare(
     results["policy_params"] = describe_params([p for p in spec.policies if not policy_spec(p).passive])
     results["summary"] = report.summarise(results)
     results["targets"] = report.evaluate_targets(results)
-    if use_wandb:
-        results["wandb"] = _log_wandb(results, out, artifacts)
     results["wall_s"] = time.perf_counter() - t0
     write_json(out / "results.json", results, indent=1)
-    report.write_report(results, out)
+    written = report.write_report(results, out)
+    if use_wandb:
+        results["wandb"] = _log_wandb(results, out, artifacts, [p for p in written if p.suffix == ".png"])
+        results["wall_s"] = time.perf_counter() - t0
+        write_json(out / "results.json", results, indent=1)
     return results
 
 
@@ -687,7 +1092,11 @@ def _regime_points(
 
 
 def _stage2_jobs(
-    spec: GridSpec, sat: dict[tuple[str, str], dict[str, Any]], artifacts: dict[str, str], predictor: Any
+    spec: GridSpec,
+    sat: dict[tuple[str, str], dict[str, Any]],
+    artifacts: dict[str, str],
+    predictor: Any,
+    requests_dir: str | None = None,
 ) -> list[Any]:
     """Capacity searches of the other policies and splits, regime points, GPUs-needed searches."""
     seeds = spec.seed_list()
@@ -703,7 +1112,15 @@ def _stage2_jobs(
                 for policy in lending:
                     pt = spec.point(policy, c, shape, 1.0, seed)
                     jobs.append(
-                        CapacityJob(pt, thr, False, start, POLICY_STEP, artifacts.get(c.model), predictor)
+                        CapacityJob(
+                            pt,
+                            thr,
+                            False,
+                            start,
+                            POLICY_STEP,
+                            artifact_of(artifacts, policy, c.model),
+                            predictor,
+                        )
                     )
                 if HINDSIGHT_SPLIT in spec.policies:
                     for other in same_gpu_splits(shape):
@@ -717,14 +1134,23 @@ def _stage2_jobs(
                     for seed in seeds:
                         pt = spec.point(policy, c, shape, frac * s["load"], seed)
                         jobs.append(
-                            SimTask(pt, seed == seeds[0], artifacts.get(c.model), predictor, regime, frac)
+                            SimTask(
+                                pt,
+                                seed == seeds[0],
+                                artifact_of(artifacts, policy, c.model),
+                                predictor,
+                                regime,
+                                frac,
+                                requests_dir,
+                            )
                         )
         first = sat.get((c.key(), spec.shapes[0]))
         if spec.gpus_needed and first and first["usable"]:
             thresholds = tuple(sorted(first["thresholds"].items()))
             for policy in spec.simulated_policies():
                 pt = spec.point(policy, c, spec.shapes[0], 1.0, seeds[0])
-                jobs.append(GpusJob(pt, thresholds, spec.max_workers, artifacts.get(c.model), predictor))
+                art = artifact_of(artifacts, policy, c.model)
+                jobs.append(GpusJob(pt, thresholds, spec.max_workers, art, predictor))
     return jobs
 
 
@@ -874,12 +1300,47 @@ def _capacity_bounds(spec: GridSpec, saturation: Sequence[dict[str, Any]]) -> li
     return out
 
 
-def _log_wandb(results: dict[str, Any], out: Path, artifacts: dict[str, str]) -> dict[str, Any]:
-    """One run per (policy, trace, model, shape, split, regime, load fraction): seed means in the
-    summary, every seed's metrics under ``seeds``, the first seed's per-minute timeline as history."""
+SEED_COLUMNS = (
+    "ttft_mean_s", "ttft_p99_s", "itl_mean_s", "itl_p99_s", "input_tokens_per_s", "output_tokens_per_s",
+    "slo_attainment", "borrowed_share", "local_share",
+)  # fmt: skip
+"""Per-seed columns of each run's ``seeds`` table (besides served SLO share and steady throughput)."""
+
+
+def comparison_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """``report.summarise``'s cells as table rows: policy, side, group, metric, mean, 95 % interval, n,
+    verdict (changes vs static are ratios - 1; shares are plain)."""
+    columns = ["policy", "split", "group", "metric", "mean", "low", "high", "n", "verdict"]
+    rows = []
+    for policy, sides in sorted(summary.items()):
+        for side, groups in sorted(sides.items()):
+            for group, cell in sorted(groups.items()):
+                for metric, e in sorted(cell.items()):
+                    if isinstance(e, dict) and "mean" in e:
+                        rows.append(
+                            [policy, side, group, metric, e["mean"], e["low"], e["high"], e["n"],
+                             e.get("verdict", "")]
+                        )  # fmt: skip
+    return columns, rows
+
+
+def _log_wandb(
+    results: dict[str, Any], out: Path, artifacts: dict[str, str], plots: Sequence[Path]
+) -> dict[str, Any]:
+    """W&B runs of one compare (offline unless the user chose online), grouped under one name per
+    invocation (``<run folder>@<created time>``, so a rerun into the same folder starts a new group):
+
+    * one run per (point, policy) -- trace, model, shape, split side, regime, load fraction -- with
+      ``job_type`` the regime, seed means in the summary, a ``seeds`` table (one row per seed), the first
+      seed's per-minute timeline as history, and the interference model it used by hash;
+    * one ``summary`` run: the comparison table with the 95 % intervals, every plot as an image, and
+      ``results.json`` + ``report.md`` as a versioned ``compare-results`` artifact.
+    """
     from train import wandb_log
 
     wandb_log.default_to_offline()
+    group = f"{out.name}@{results['created_utc']}"
+    bundles = results.get("bundles") or {}
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for p in results["points"]:
         if p.get("metrics"):
@@ -903,35 +1364,90 @@ def _log_wandb(results: dict[str, Any], out: Path, artifacts: dict[str, str]) ->
             for k, v in rows[0]["metrics"].items()
             if isinstance(v, int | float)
         }
+        seed_rows = [
+            [r["seed"], r["run_shape"], r["point"]["load"], r["served_slo_share"],
+             r["steady"]["input_tokens_per_s"], r["steady"]["output_tokens_per_s"],
+             *(r["metrics"].get(c) for c in SEED_COLUMNS)]
+            for r in rows
+        ]  # fmt: skip
         runs.append(
             wandb_log.RunLog(
-                name=f"{policy}|{trace}|{model}|{shape}|{split}|{regime}={frac:g}",
-                group=out.name,
-                tags=[policy, trace, model, shape, split, regime],
+                name=f"{policy}|{Path(trace).name}|{model}|{shape}|{split}|{regime}={frac:g}",
+                group=group,
+                tags=[policy, Path(trace).name, model, shape, split, regime],
+                job_type=regime,
                 config={
-                    **{k: v for k, v in rows[0]["point"].items() if k not in ("seed", "policy")},
+                    **{k: v for k, v in rows[0]["point"].items() if k not in ("seed", "policy", "load")},
                     "policy": policy,
                     "seeds": [r["seed"] for r in rows],
                     "load_fraction": frac,
                     "saturation_load": rows[0]["saturation_load"],
                     "run_shapes": sorted({r["run_shape"] for r in rows}),
+                    "code_version": results["code_version"],
                 },
                 summary={
                     **means,
+                    "n_seeds": len(rows),
                     "served_slo_share": float(np.mean([r["served_slo_share"] for r in rows])),
                     "steady_input_tokens_per_s": float(
                         np.mean([r["steady"]["input_tokens_per_s"] for r in rows])
                     ),
-                    "seeds": {str(r["seed"]): r["metrics"] for r in rows},
+                    "steady_output_tokens_per_s": float(
+                        np.mean([r["steady"]["output_tokens_per_s"] for r in rows])
+                    ),
                 },
                 history=history,
-                artifact_dir=artifacts.get(model) if policy_spec(policy).needs_predictor else None,
+                tables={
+                    "seeds": (
+                        [
+                            "seed",
+                            "run_shape",
+                            "load",
+                            "served_slo_share",
+                            "steady_input_tokens_per_s",
+                            "steady_output_tokens_per_s",
+                            *SEED_COLUMNS,
+                        ],
+                        seed_rows,
+                    )
+                },
+                artifact_dir=artifact_of(artifacts, policy, model)
+                if policy_spec(policy).needs_predictor
+                else None,
+                input_folders={f"bundle-{policy}": bundles[policy]["folder"]} if policy in bundles else {},
             )
         )
+    columns, table = comparison_rows(results["summary"])
+    runs.append(
+        wandb_log.RunLog(
+            name=f"summary|{out.name}",
+            group=group,
+            tags=["summary"],
+            job_type="summary",
+            config={
+                "grid": results["grid"],
+                "command": results["command"],
+                "code_version": results["code_version"],
+            },
+            summary={
+                "jobs_run": results["jobs_run"],
+                "jobs_reused": results["jobs_reused"],
+                "rows": len(results["points"]),
+            },
+            tables={"comparison": (columns, table)},
+            images={f"plot/{p.stem}": str(p) for p in plots},
+            output_artifact=(
+                f"compare-{re.sub(r'[^A-Za-z0-9_.-]+', '-', out.name)}",
+                "compare-results",
+                [str(out / "results.json"), str(out / "report.md")],
+            ),
+        )
+    )
     t0 = time.perf_counter()
     folders = wandb_log.log_runs(runs, wandb_dir=out)
     return {
         "mode": os.environ.get("WANDB_MODE"),
+        "group": group,
         "runs": len(folders),
         "dir": "wandb",
         "wall_s": time.perf_counter() - t0,
@@ -971,7 +1487,8 @@ def _positive(text: str) -> float:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``crossflow compare``."""
+    """Register ``crossflow compare``: every grid flag's default and help default come from ``GridSpec``
+    (``train.cli_fields``), so ``--help`` says what a run without the flag does."""
     p = sub.add_parser(
         "compare",
         help="static PD vs lease policies in the latency and capacity regimes, over seeds, with a bound",
@@ -980,67 +1497,64 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "that serve each trace, a fluid upper bound and the best split in hindsight; write results.json, "
         "report.md and plots into a run folder. See docs/compare.md.",
     )
-    p.add_argument(
-        "--policies", type=_csv(str), default=None, help="default: static,heuristic,hindsight-split"
-    )
-    p.add_argument(
-        "--traces", type=_csv(str), default=None, help="default: mooncake (--full: agent,mooncake)"
-    )
-    p.add_argument("--models", type=_csv(str), default=None, help="default: gpt-oss-120b")
-    p.add_argument("--shapes", type=_csv(_shape), default=None, help="default: 2P4D")
-    p.add_argument(
-        "--latency-loads",
-        type=_csv(_positive),
-        default=None,
-        help="latency regime, fractions of static saturation (default: 0.25,0.5,0.75,1)",
-    )
-    p.add_argument(
-        "--throughput-loads",
-        type=_csv(_positive),
-        default=None,
-        help="capacity regime, overload points as fractions of static saturation (default: 1.5,2,3)",
-    )
-    p.add_argument("--gpu", default="H200")
-    p.add_argument(
-        "--max-requests",
-        type=int,
-        default=None,
-        help="first N sessions (agent) / requests (others) of every trace side (default: per-trace subset)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    p.add_argument(
-        "--seeds",
-        type=int,
-        default=None,
-        help=f"seeds per point (default {DEFAULT_SEEDS}; --full {FULL_SEEDS})",
-    )
-    p.add_argument(
-        "--splits",
-        type=_csv(_split),
-        default=None,
-        help="split sides of the bundled traces: heldout, dev, all (default: heldout; --full: heldout,dev)",
-    )
-    p.add_argument(
-        "--slo-ttft", type=_positive, default=DEFAULT_TTFT_SLO_S, metavar="S", help="TTFT SLO, s (5)"
-    )
-    p.add_argument(
-        "--slo-tpot",
-        type=_positive,
-        default=DEFAULT_TPOT_SLO_S,
-        metavar="S",
-        help="TPOT SLO, s per token (0.05)",
-    )
-    p.add_argument(
-        "--arrivals",
-        choices=OPEN_LOOP_ARRIVALS,
-        default="poisson",
-        help="open-loop traces: per-seed Poisson re-timing at the per-minute rate (default) or the recording",
-    )
+    G = GridSpec
+    add_field(p, G, "policies", "--policies", type=_csv(str), help="policies (catalog names)")
+    add_field(
+        p, G, "traces", "--traces", type=_csv(str), alt=("--full", FULL_TRACES),
+        help="bundled trace names or trace files of any supported format (envs/traces.py)",
+    )  # fmt: skip
+    add_field(p, G, "models", "--models", type=_csv(str), alt=("--full", FULL_MODELS), help="served models")
+    add_field(p, G, "shapes", "--shapes", type=_csv(_shape), alt=("--full", FULL_SHAPES), help="xPyD shapes")
+    add_field(
+        p, G, "latency_loads", "--latency-loads", type=_csv(_positive),
+        help="latency regime, fractions of static saturation",
+    )  # fmt: skip
+    add_field(
+        p, G, "throughput_loads", "--throughput-loads", type=_csv(_positive),
+        help="capacity regime, overload points as fractions of static saturation",
+    )  # fmt: skip
+    add_field(p, G, "gpu", "--gpu", help="GPU of every worker")
+    add_field(
+        p, G, "tp", "--tp", type=positive_int, default_text="per model: "
+        + ", ".join(f"{m} {t}" for m, t in DEFAULT_TP.items()), help="tensor-parallel degree per worker",
+    )  # fmt: skip
+    subset_text = ", ".join(f"{t} {n}" for t, n in DEFAULT_SUBSET.items() if t != "agent")
+    add_field(
+        p, G, "max_requests", "--max-requests", type=positive_int,
+        default_text=f"{subset_text}, a trace file {FILE_SUBSET}; --full: "
+        + ", ".join(f"{t} {n}" for t, n in FULL_SUBSET.items() if t != "agent"),
+        help="open-loop traces: replay the first N requests of each split side",
+    )  # fmt: skip
+    add_field(
+        p, G, "max_sessions", "--max-sessions", type=positive_int,
+        default_text=f"agent {DEFAULT_SUBSET['agent']} (--full: {FULL_SUBSET['agent']}), a trace file "
+        f"{FILE_SUBSET}",
+        help="closed-loop (agent session) traces: replay the first N sessions of each split side",
+    )  # fmt: skip
+    add_field(p, G, "seed", "--seed", type=non_negative_int, help="first seed")
+    add_field(p, G, "seeds", "--seeds", type=positive_int, alt=("--full", FULL_SEEDS), help="seeds per point")
+    add_field(
+        p, G, "splits", "--splits", type=_csv(_split),
+        default_text=f"bundled traces {show(DEFAULT_SPLITS)} (--full: {show(FULL_SPLITS)}), trace files "
+        f"{ALL} (they have no shared split; a side of a file is split by the same hash of its path)",
+        help="split sides: heldout, dev, all",
+    )  # fmt: skip
+    add_field(p, G, "slo_ttft_s", "--slo-ttft", type=_positive, metavar="S", help="TTFT SLO, s")
+    add_field(p, G, "slo_tpot_s", "--slo-tpot", type=_positive, metavar="S", help="TPOT SLO, s per token")
+    add_field(
+        p, G, "open_loop_arrivals", "--arrivals", choices=OPEN_LOOP_ARRIVALS,
+        help="open-loop traces: per-seed Poisson re-timing at the per-minute rate, or the recording",
+    )  # fmt: skip
     p.add_argument("--no-gpus-needed", action="store_true", help="skip the fewest-GPUs search")
-    p.add_argument(
-        "--max-workers", type=int, default=DEFAULT_MAX_WORKERS, help="largest cluster the GPUs search tries"
+    add_field(
+        p, G, "max_workers", "--max-workers", type=positive_int, help="largest cluster the GPUs search tries"
     )
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel simulations")
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=min(2, os.cpu_count() or 1),
+        help="parallel simulations (default: min(2, CPUs))",
+    )
     p.add_argument("--out", default=None, help="run folder (default: runs/compare-<UTC timestamp>)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write results.json here")
     p.add_argument(
@@ -1049,16 +1563,38 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="paper-style grid: agent and mooncake x gpt-oss-120b and glm-5 x 2P4D, 4P2D, 1P5D, both split "
         "sides, 5 seeds (explicit flags still override)",
     )
-    p.add_argument(
-        "--decode-prefix-cache",
-        action="store_true",
+    add_field(
+        p, G, "decode_prefix_cache", "--decode-prefix-cache", action="store_true",
         help="decode workers keep a radix prefix cache, for every policy (as the shipped tuning did)",
+    )  # fmt: skip
+    add_field(
+        p, G, "interference_model", "--interference-model", metavar="DIR",
+        default_text="the shipped one per model", help="artifact folder for heuristic/rl",
+    )  # fmt: skip
+    p.add_argument(
+        "--requests-out",
+        default=None,
+        metavar="PATH.parquet",
+        help="one row per request of every regime simulation (path, nodes, TTFT, ITL, decision reason, "
+        "lease id, and the point), as Parquet",
     )
     p.add_argument(
-        "--interference-model",
-        default=None,
-        metavar="DIR",
-        help="artifact folder for heuristic/rl (default: the shipped one per model)",
+        "--backend",
+        choices=("process", "ray"),
+        default="process",
+        help="run the simulations in local processes (default) or as Ray tasks "
+        "(pip install 'crossflow[ray]')",
+    )
+    p.add_argument(
+        "--ray-address", default=None, metavar="ADDR", help="Ray cluster to join (default: start a local one)"
+    )
+    p.add_argument(
+        "--policy-bundle",
+        action="append",
+        default=[],
+        metavar="DIR|wandb:ENTITY/PROJECT/NAME:VERSION",
+        help="add the policy of a policy bundle to the grid, under the bundle's name (repeatable; "
+        "docs/policy_bundle.md)",
     )
     p.add_argument("--no-wandb", action="store_true", help="do not log W&B runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -1069,32 +1605,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> GridSpec:
     full = bool(args.full)
-    if args.max_requests is not None and args.max_requests < 1:
-        raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    if args.seeds is not None and args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.max_workers < 2:
-        raise ValueError(f"--max-workers must be >= 2, got {args.max_workers}")
+    alts = {"traces": FULL_TRACES, "models": FULL_MODELS, "shapes": FULL_SHAPES, "seeds": FULL_SEEDS}
     return GridSpec(
-        policies=args.policies or DEFAULT_POLICIES,
-        traces=args.traces or (FULL_TRACES if full else DEFAULT_TRACES),
-        models=args.models or (FULL_MODELS if full else DEFAULT_MODELS),
-        shapes=args.shapes or (FULL_SHAPES if full else DEFAULT_SHAPES),
-        latency_loads=args.latency_loads or LATENCY_LOADS,
-        throughput_loads=args.throughput_loads or THROUGHPUT_LOADS,
+        policies=args.policies,
+        **{name: resolve(args, GridSpec, name, value, full) for name, value in alts.items()},
+        latency_loads=args.latency_loads,
+        throughput_loads=args.throughput_loads,
         gpu=args.gpu,
+        tp=args.tp,
         max_requests=args.max_requests,
+        max_sessions=args.max_sessions,
         seed=args.seed,
-        seeds=args.seeds or (FULL_SEEDS if full else DEFAULT_SEEDS),
-        splits=args.splits or (FULL_SPLITS if full else DEFAULT_SPLITS),
+        splits=args.splits,
         full=full,
         decode_prefix_cache=bool(args.decode_prefix_cache),
         interference_model=args.interference_model,
-        slo_ttft_s=args.slo_ttft,
-        slo_tpot_s=args.slo_tpot,
-        open_loop_arrivals=args.arrivals,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_s=args.slo_tpot_s,
+        open_loop_arrivals=args.open_loop_arrivals,
         gpus_needed=not args.no_gpus_needed,
         max_workers=args.max_workers,
         **model_options(args),
@@ -1112,10 +1640,18 @@ def check_names(spec: GridSpec) -> None:
     if "static" not in spec.policies:
         raise ValueError("--policies: must include static (every change is measured against it)")
     for trace in spec.traces:
-        if trace not in BUNDLED_TRACES:
-            raise ValueError(f"--traces: unknown bundled trace {trace!r}; known: {sorted(BUNDLED_TRACES)}")
+        if trace not in BUNDLED_TRACES and not Path(trace).is_file():
+            raise ValueError(
+                f"--traces: {trace!r} is neither a bundled trace ({', '.join(BUNDLED_TRACES)}) nor a file"
+            )
+        try:
+            _loaded(trace)  # a malformed file fails here, naming file and line, before anything runs
+        except ValueError as exc:
+            raise ValueError(f"--traces: {exc}") from None
     for model in spec.models:
-        check_model(model, gpu=spec.gpu, tp=default_tp(model), model_flag="--models", **spec.model_options())
+        check_model(
+            model, gpu=spec.gpu, tp=spec.resolved_tp(model), model_flag="--models", **spec.model_options()
+        )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -1127,12 +1663,32 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}")
     if not args.no_wandb:
         wandb_log.default_to_offline()
-    command = (
-        "crossflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "crossflow compare"
-    )
-    results = run_compare(
-        spec, out, jobs=args.jobs, progress=not args.no_progress, use_wandb=not args.no_wandb, command=command
-    )
+    command = "crossflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or ["compare"])
+    for line in describe_traces(spec):
+        print(f"compare: {line}", file=sys.stderr)
+    try:
+        results = run_compare(
+            spec,
+            out,
+            jobs=args.jobs,
+            progress=not args.no_progress,
+            use_wandb=not args.no_wandb,
+            command=command,
+            backend=make_backend(args),
+            requests_out=args.requests_out,
+            bundles=args.policy_bundle,
+        )
+    except KeyboardInterrupt:
+        note = out / "interrupted.json"
+        if note.is_file():
+            info = json.loads(note.read_text(encoding="utf-8"))
+            print(
+                f"compare: interrupted during {info['stage']}: {info['finished_total']} finished job(s) kept "
+                f"in {out}/{FINISHED_DIR}/ ({info['finished_this_run']} this run); rerun the same command "
+                "with the same --out to resume",
+                file=sys.stderr,
+            )
+        return 130
     if args.json:
         write_json(Path(args.json), results, indent=1)
     print(

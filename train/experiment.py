@@ -113,6 +113,9 @@ class Point:
     slo_tpot_s: float = DEFAULT_TPOT_SLO_S
     """The per-request SLO of the cluster (what ``RunMetrics.slo_attainment`` counts, and the ITL target
     the lending policies derive from it)."""
+    policy_params: tuple[tuple[str, Any], ...] = ()
+    """Dotted policy parameters laid over the shipped tuned values (``policies.catalog``), e.g.
+    ``(("node.artifact", "my_rl.npz"),)`` for a trained RL policy; empty: the tuned values as shipped."""
 
     def __post_init__(self) -> None:
         if self.split not in (ALL, *SIDES):
@@ -148,6 +151,7 @@ class Point:
             f"{self.policy}|{self.trace}|{self.model}|{self.shape}|load={self.load:g}|seed={self.seed}"
             + self.deployment_suffix()
             + self.workload_suffix()
+            + "".join(f"|{k}={v}" for k, v in self.policy_params)
         )
 
     def workload_suffix(self) -> str:
@@ -262,6 +266,10 @@ def run_point(
     trace = trace if trace is not None else prepare_trace(point)
     config = point.cluster()
     cost_model = point.cost_model()
+    if params is None and point.policy_params:
+        from policies.catalog import tuned_params
+
+        params = {**tuned_params(point.policy), **dict(point.policy_params)}
     scheduler = build_scheduler(point.policy, config, cost_model, predictor=predictor, params=params)
     return simulate(
         trace,

@@ -53,7 +53,7 @@ def _umask() -> int:
     return mask
 
 
-def write_json(path: str | os.PathLike[str] | None, payload: Any, *, indent: int = 2) -> None:
+def write_json(path: str | os.PathLike[str] | None, payload: Any, *, indent: int | None = 2) -> None:
     """Write ``payload`` to ``path`` atomically as strict JSON; a no-op when ``path`` is empty or None."""
     if not path:
         return

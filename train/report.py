@@ -671,10 +671,15 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
     seeds = grid["seed_list"]
     lines = [f"# Crossflow compare: {results['run_id']}", "", f"Command: `{results['command']}`", ""]
     lines += [
-        f"Grid: policies {', '.join(grid['policies'])}; traces {', '.join(grid['traces'])} "
-        f"(split sides: {', '.join(grid['splits'])}); models {', '.join(grid['models'])}; shapes "
+        f"Grid: policies {', '.join(grid['policies'])}; traces "
+        + ", ".join(
+            f"{t} (split sides {','.join(grid['splits_run'][t])}, first {grid['subsets'][t]} "
+            f"{grid['subset_units'][t]})"
+            for t in grid["traces"]
+        )
+        + f"; models {', '.join(grid['models'])}; shapes "
         f"{', '.join(grid['shapes'])}; latency loads {_loads(grid['latency_loads'])} and throughput loads "
-        f"{_loads(grid['throughput_loads'])} x static saturation; subsets {grid['subsets']}; "
+        f"{_loads(grid['throughput_loads'])} x static saturation; "
         f"**{len(seeds)} seed(s)** ({', '.join(map(str, seeds))}); open-loop arrivals "
         f"{grid['open_loop_arrivals']}; SLO: TTFT <= {grid['slo_ttft_s']:g} s and TPOT <= "
         f"{1e3 * grid['slo_tpot_s']:g} ms for >= {100 * results['slo_share_target']:.0f} % of requests. "
@@ -877,20 +882,55 @@ def plot_capacity(
     axes[0].set_yscale("log")
     axes[0].set_ylabel("capacity at SLO (load factor, log)")
     axes[0].tick_params(axis="x", rotation=20)
-    for ax, metric, label, scale in (
-        (axes[1], "steady_input_tokens_per_s", "steady in tok/s", 1.0),
-        (axes[2], "bound_share", "share of fluid bound (%)", 100.0),
-    ):
+    _load_panels(
+        axes[1:],
+        grouped,
+        [
+            ("steady_input_tokens_per_s", "steady in tok/s", 1.0),
+            ("bound_share", "share of fluid bound (%)", 100.0),
+        ],
+    )
+    axes[1].legend(fontsize=8)
+    return _finish(plt, fig, path, f"{title}: capacity regime (95 % intervals over seeds)")
+
+
+def _load_panels(
+    axes: Any, grouped: Any, panels: Sequence[tuple[str, str, float]], saturation_line: bool = False
+) -> None:
+    """One axis per (metric, label, scale) against load, one line per policy; the last panel is the
+    share of the fluid bound (its 100 % line drawn)."""
+    for ax, (metric, label, scale) in zip(axes, panels, strict=True):
         _policy_lines(ax, grouped, metric, scale)
+        if saturation_line:
+            ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("load (x static saturation)")
         ax.set_ylabel(label)
-    axes[2].axhline(100.0, color="grey", linestyle="--")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"{title}: capacity regime (95 % intervals over seeds)")
+    axes[-1].axhline(100.0, color="grey", linestyle="--")
+
+
+def _finish(plt: Any, fig: Any, path: Path, title: str) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
     path = _save(fig, path)
     plt.close(fig)
     return path
+
+
+def plot_throughput_vs_load(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
+    """Served input and output tokens/s over the steady window against offered load, both regimes on
+    one axis (x static saturation), one line per policy with 95 % intervals; the bound's share right."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = [
+        ("steady_input_tokens_per_s", "steady input tok/s", 1.0),
+        ("steady_output_tokens_per_s", "steady output tok/s", 1.0),
+        ("bound_share", "share of fluid bound (%)", 100.0),
+    ]
+    _load_panels(axes, by_point(rows), panels, saturation_line=True)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
+    title = f"{title}: throughput against load (dotted: static saturation; 95 % intervals over seeds)"
+    return _finish(plt, fig, path, title)
 
 
 def plot_borrowed_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path | None:
@@ -928,7 +968,8 @@ def plot_borrowed_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title:
 
 
 def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """Per (trace, model, split, shape): latency-vs-load, capacity-regime and borrowing-timeline PNGs."""
+    """Per (trace, model, split, shape): latency-vs-load, throughput-vs-load, capacity-regime and
+    borrowing-timeline PNGs."""
     groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = {}
     for r in _ok(results["points"]):
         groups.setdefault((r["trace"], r["model"], r["split"], r["shape"]), []).append(r)
@@ -937,6 +978,7 @@ def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
         title = f"{trace} [{split}] / {model} / {shape}"
         slug = _slug(trace, model, split, shape)
         written.append(plot_latency_vs_load(rows, out_dir / f"latency_{slug}.png", title))
+        written.append(plot_throughput_vs_load(rows, out_dir / f"throughput_{slug}.png", title))
         for made in (
             plot_capacity(rows, results, out_dir / f"capacity_{slug}.png", title),
             plot_borrowed_timeline(rows, out_dir / f"timeline_{slug}.png", title),

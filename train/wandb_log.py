@@ -69,6 +69,14 @@ class RunLog:
     job_type: str = "compare"
     images: Mapping[str, str] = field(default_factory=dict)
     """Plots to log as ``wandb.Image`` under these keys (PNG paths)."""
+    tables: Mapping[str, tuple[Sequence[str], Sequence[Sequence[Any]]]] = field(default_factory=dict)
+    """``wandb.Table`` s to log: key -> (columns, rows), e.g. one row per seed."""
+    output_artifact: tuple[str, str, Sequence[str]] | None = None
+    """(name, type, file paths) logged as a versioned output artifact of the run (offline too: it is
+    uploaded by ``wandb sync``)."""
+    input_folders: Mapping[str, str] = field(default_factory=dict)
+    """Artifact name -> folder (e.g. a policy bundle) the run used: ``use_artifact`` when online, a
+    SHA-256 reference in the config when offline (W&B refuses ``use_artifact`` offline)."""
 
 
 def _link_artifact(run: Any, folder: str) -> str:
@@ -86,6 +94,58 @@ def _link_artifact(run: Any, folder: str) -> str:
     except Exception as exc:  # online linking can fail for many reasons (network, quota); config suffices
         print(f"wandb: could not link artifact {folder}: {exc}; referenced in config only", file=sys.stderr)
         return "config"
+
+
+def folder_reference(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Name and SHA-256 over the relative paths and bytes of every file of ``folder``."""
+    root = Path(folder)
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return {"name": root.name, "sha256": h.hexdigest()}
+
+
+def _use_folder(run: Any, name: str, folder: str) -> dict[str, Any]:
+    import wandb
+
+    ref = folder_reference(folder)
+    if is_offline():
+        return {**ref, "link": "config"}
+    try:
+        artifact = wandb.Artifact(name, type="policy-bundle", metadata=ref)
+        artifact.add_dir(folder)
+        run.use_artifact(artifact)
+        return {**ref, "link": "use_artifact"}
+    except Exception as exc:  # see _link_artifact
+        print(f"wandb: could not link {folder}: {exc}; referenced in config only", file=sys.stderr)
+        return {**ref, "link": "config"}
+
+
+def log_bundle(
+    folder: str | os.PathLike[str], *, wandb_dir: str | os.PathLike[str], project: str = DEFAULT_PROJECT
+) -> str:
+    """Log a policy bundle folder as a versioned ``policy-bundle`` artifact named after the bundle, in
+    a ``job_type="bundle"`` run; returns the local run folder. Offline, the artifact is uploaded by
+    ``wandb sync`` and then resolves as ``wandb:ENTITY/PROJECT/NAME:v0`` (``policies.bundle``)."""
+    import wandb
+
+    from policies.bundle import load_policy_bundle
+
+    default_to_offline()
+    bundle = load_policy_bundle(folder)
+    Path(wandb_dir).mkdir(parents=True, exist_ok=True)
+    meta = {"policy": bundle.policy, "version": bundle.version, "digest": bundle.digest}
+    run = wandb.init(
+        project=project, name=f"bundle|{bundle.name}", job_type="bundle", config=meta, dir=str(wandb_dir)
+    )
+    artifact = wandb.Artifact(
+        bundle.name, type="policy-bundle", metadata={**meta, "files": dict(bundle.files)}
+    )
+    artifact.add_dir(str(folder))
+    run.log_artifact(artifact)
+    where = str(Path(run.dir).parent)
+    run.finish()
+    return where
 
 
 def log_runs(
@@ -124,6 +184,16 @@ def log_runs(
                 run.log(dict(row))
             if rec.images:
                 run.log({key: wandb.Image(path) for key, path in rec.images.items()})
+            for key, (columns, rows) in rec.tables.items():
+                run.log({key: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
+            if rec.output_artifact is not None:
+                name, kind, paths = rec.output_artifact
+                artifact = wandb.Artifact(name, type=kind)
+                for path in paths:
+                    artifact.add_file(str(path))
+                run.log_artifact(artifact)
+            for name, folder in rec.input_folders.items():
+                run.config.update({f"input_{name}": _use_folder(run, name, folder)})
             run.summary.update(dict(rec.summary))
             folders.append(str(Path(run.dir).parent))
             run.finish()
