@@ -45,6 +45,7 @@ from envs.sim_state import FALLBACK, DecodeWorker, PrefillWorker, ReqState
 from envs.simulator import SchedulerHooks, Simulator
 from envs.trace_formats import _prefix_fields, _PrefixIndex
 from policies.lease import LeaseBudgets
+from policies.node_state import NodeState
 
 LAG_LIMIT_SHARE = 0.05
 """A run whose largest lag exceeds this share of its wall duration fails its lag check."""
@@ -528,6 +529,12 @@ class LiveCluster:
             generated_tokens_total=self._generated[idx],
             context_tokens=sum(r.context for r in w.running if not r.needs_recompute),
         )
+
+    def node_state(self, idx: int) -> NodeState:
+        """Decode worker ``idx``'s ``NodeState`` now, as the simulator's scheduler sees it each control
+        interval (what the SGLang plugin reports in ``/server_info`` on a real worker)."""
+        self._advance()
+        return self.sim._node_state(self.sim.decode[idx])
 
     def _transferring(self, live: LiveRequest) -> bool:
         req = self.sim.reqs[live.rid]
