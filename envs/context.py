@@ -38,9 +38,7 @@ def fit_context_window(trace: Trace, window_tokens: int, policy: str) -> tuple[T
         raise ValueError(f"context window must be at least 2 tokens, got {window_tokens}")
     if policy not in ("compact", "reject"):
         raise ValueError(f"context policy must be 'compact' or 'reject', got {policy!r}")
-    over = frozenset(
-        r.request_id for r in trace.requests if r.input_tokens + r.output_tokens > window_tokens
-    )
+    over = frozenset(r.request_id for r in trace.requests if r.input_tokens + r.output_tokens > window_tokens)
     if not over or policy == "reject":
         return trace, ContextFit(window_tokens, policy, over, 0)
     cut = 0

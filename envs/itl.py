@@ -23,7 +23,7 @@ import numpy as np
 
 MANTISSA_BITS = 11
 """Bits of an iteration's nanosecond count that pick its bucket."""
-QUANTILE_RELATIVE_ERROR = 2.0 ** -MANTISSA_BITS
+QUANTILE_RELATIVE_ERROR = 2.0**-MANTISSA_BITS
 """Bound on ``|answered - exact| / exact`` for every quantile (bucket half-width over its low edge)."""
 _SHIFT_BITS = 32
 

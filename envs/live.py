@@ -531,9 +531,12 @@ class LiveCluster:
         )
 
     def node_state(self, idx: int) -> NodeState:
-        """Decode worker ``idx``'s ``NodeState`` now, as the simulator's scheduler sees it each control
-        interval (what the SGLang plugin reports in ``/server_info`` on a real worker)."""
+        """Decode worker ``idx``'s ``NodeState`` as its node's scheduler saw it at the last control
+        interval (the step-time averages cover a whole interval then), or now before the first one
+        or without a scheduler: what the SGLang plugin reports in ``/server_info`` on a real worker."""
         self._advance()
+        if self.sim.tick_node_states:
+            return self.sim.tick_node_states[idx]
         return self.sim._node_state(self.sim.decode[idx])
 
     def _transferring(self, live: LiveRequest) -> bool:

@@ -249,6 +249,50 @@ class PageTrees:
             tree.popitem(last=False)
 
 
+class PrefillQueue:
+    """The router's estimate of one prefill worker's uncomputed queue: requests in dispatch order,
+    each expected done when the work ahead of it and its own prefill (the estimator's time) are;
+    an entry leaves at that time or when the worker answers, whichever comes first. It stands for
+    what the simulator's path query reads from the worker itself (its queued uncomputed tokens)."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[int, tuple[float, float, int]] = OrderedDict()
+        """key -> (expected start, expected end, tokens)."""
+        self._tail_s = 0.0
+        self._next = 0
+
+    def add(self, tokens: int, duration_s: float, now_s: float) -> int:
+        """Count ``tokens`` of prefill taking ``duration_s`` alone; the entry's key (for ``remove``)."""
+        self._drop(now_s)
+        start_s = max(now_s, self._tail_s)
+        self._tail_s = start_s + duration_s
+        self._next += 1
+        self._entries[self._next] = (start_s, self._tail_s, tokens)
+        return self._next
+
+    def remove(self, key: int) -> None:
+        self._entries.pop(key, None)
+
+    def _drop(self, now_s: float) -> None:
+        while self._entries:
+            key, (_, done_s, _) = next(iter(self._entries.items()))
+            if done_s > now_s:
+                break
+            del self._entries[key]
+
+    def tokens(self, now_s: float) -> int:
+        """Uncomputed tokens expected still queued at ``now_s`` (one being computed counts the share
+        of it not yet done)."""
+        self._drop(now_s)
+        total = 0.0
+        for start_s, done_s, tokens in self._entries.values():
+            if start_s >= now_s or done_s <= start_s:
+                total += tokens
+            else:
+                total += tokens * (done_s - now_s) / (done_s - start_s)
+        return int(total)
+
+
 class LegFailed(Exception):
     """A leg ended before its first token: ``status`` (0: transport), whether it may be retried, and
     the worker to blame (None: the request itself)."""
@@ -271,8 +315,8 @@ class _Flight:
     hashes: list[int]
     prefill: Worker | None = None
     decode: Worker | None = None
-    prefill_tokens: int = 0
-    """Uncomputed tokens counted in ``Router._prefill_queued`` for it (0 when not counted)."""
+    prefill_entry: int | None = None
+    """Its entry in its prefill worker's ``PrefillQueue`` while counted there."""
 
 
 def _sse_data(line: str) -> str | None:
@@ -339,7 +383,7 @@ class Router:
         self._prefill_trees = PageTrees(len(self.prefill), config.page_tokens, max_pages)
         self._decode_trees = PageTrees(len(self.decode), config.page_tokens, max_pages)
         self._hasher = PrefixResolver(config.page_tokens)
-        self._prefill_queued = [0] * len(self.prefill)
+        self._prefill_queues = [PrefillQueue() for _ in self.prefill]
         self._decode_kv = [0] * len(self.decode)
         self._overloaded: dict[str, list[bool]] = {
             "prefill": [False] * len(self.prefill),
@@ -406,6 +450,11 @@ class Router:
         )
         self.m_fallbacks = r.counter(
             "crossflow:fallbacks_total", "Borrowed requests sent back to the normal path.", ("node", "cause")
+        )
+        self.m_completed = r.counter(
+            "crossflow:requests_completed_total",
+            "Requests answered in full, by the path they finished on.",
+            ("path",),
         )
         self.m_retries = r.counter("crossflow:retries_total", "Dispatches sent again.", ("cause",))
         self.m_revocations = r.counter(
@@ -687,7 +736,7 @@ class Router:
         p = self._pick("prefill", flight, avoid)
         cached = min(self._prefill_trees.match_tokens(p.idx, flight.hashes, n_in), n_in - 1)
         d = self._pick("decode", flight, avoid) if self.scheduler.uses_gateway_decode_pick else None
-        queued = self._prefill_queued[p.idx]
+        queued = self._prefill_queues[p.idx].tokens(self.now_s())
         decode_cached: Mapping[int, int] = {}
         if self.config.decode_prefix_cache:
             decode_cached = self._decode_trees.matches(flight.hashes, n_in, range(len(self.decode)))
@@ -734,15 +783,15 @@ class Router:
             self.prefill_pool.dispatched(p.idx)
             n_in = len(gen.token_ids)
             cached = min(self._prefill_trees.match_tokens(p.idx, flight.hashes, n_in), n_in - 1)
-            flight.prefill_tokens = n_in - cached
-            self._prefill_queued[p.idx] += flight.prefill_tokens
+            duration_s = self.estimator.queue_wait_s(n_in - cached) if self.estimator is not None else 0.0
+            flight.prefill_entry = self._prefill_queues[p.idx].add(n_in - cached, duration_s, self.now_s())
             self._prefill_trees.insert(p.idx, flight.hashes)
 
     def _prefill_left(self, flight: _Flight, p: Worker) -> None:
         """The prefill worker is done with the request (answered, failed, or its first token came)."""
-        if flight.prefill_tokens:
-            self._prefill_queued[p.idx] -= flight.prefill_tokens
-            flight.prefill_tokens = 0
+        if flight.prefill_entry is not None:
+            self._prefill_queues[p.idx].remove(flight.prefill_entry)
+            flight.prefill_entry = None
 
     def _leave(self, flight: _Flight, d: Worker) -> None:
         gen = flight.gen
@@ -890,6 +939,7 @@ class Router:
                 on_first()
                 self.m_ttft.observe((time.perf_counter() - sent_s) / scale, path)
                 await client.whole(data)
+                self.m_completed.inc(path)
                 return 200
             last_s, last_tokens, done = sent_s, 0, False
             async for line in resp.aiter_lines():
@@ -924,6 +974,7 @@ class Router:
             if not done:
                 raise httpx.RemoteProtocolError("the stream ended without [DONE]")
             await client.done()
+            self.m_completed.inc(path)
             return 200
         except httpx.HTTPError as exc:
             d.breaker.record(False)
