@@ -1,0 +1,360 @@
+"""Crossflow's router (``serving.router``) over the emulated PD cluster: the three APIs on the normal
+path, refusals that never reach a worker, the borrowed path and its fallback, leases over the wire
+(the control plane's token, expiry when an agent stops), the faults (a decode worker or a prefill
+worker killed mid-request), and its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from envs.cluster_config import ClusterConfig  # noqa: E402
+from envs.cost_model import CostModel  # noqa: E402
+from envs.estimator import ClusterEstimator  # noqa: E402
+from envs.live import LiveCluster  # noqa: E402
+from policies.lease import LeaseBudgets  # noqa: E402
+from policies.ledger import LeaseLedger  # noqa: E402
+from policies.node_state import NodeState  # noqa: E402
+from policies.path import PathDecision, PathQuery, PathReason  # noqa: E402
+from serving.pd_cluster import BackgroundCluster, EmulatedCluster  # noqa: E402
+from serving.router import NODE_STATE_PATH, PageTrees, PrefillQueue  # noqa: E402
+from serving.stack import CrossflowStack  # noqa: E402
+from train.experiment import build_scheduler  # noqa: E402
+
+MODEL = ("H200", "gpt-oss-120b", 1)
+BORROW_TOKENS = 1000
+"""Requests of exactly this many input tokens are borrowed by ``BorrowMarked``."""
+
+
+class BorrowMarked:
+    """A router-side scheduler for tests: a standing lease on decode node 0, and every request of
+    ``BORROW_TOKENS`` input tokens borrowed on it (the rest take the normal path)."""
+
+    control_interval_s = 0.5
+    uses_gateway_decode_pick = False
+
+    def __init__(self) -> None:
+        self.ledger = LeaseLedger()
+        self.ledger.publish(0, LeaseBudgets(10**9, 10**9, 10**9, 10**9, 1000), 0.0, 1e9)
+        self.calls: list[str] = []
+
+    def on_control_interval(self, now_s: float, states: Any) -> list[int]:
+        return []
+
+    def choose_path(self, q: PathQuery, now_s: float) -> PathDecision:
+        if q.input_tokens != BORROW_TOKENS:
+            return PathDecision("normal", None, None, 0.0, None, "test", PathReason.NOT_CONGESTED)
+        demand = LeaseBudgets(q.input_tokens, q.input_tokens + q.expected_output_tokens, 0, 1, 1)
+        res = self.ledger.reserve(0, demand, now_s)
+        assert res is not None
+        return PathDecision("borrow", 0, res.reservation_id, 1.0, 0.5, "test", PathReason.BORROWED)
+
+    def on_task_started(self, reservation_id: int, now_s: float) -> bool:
+        self.calls.append("started")
+        return self.ledger.commit(reservation_id, now_s)
+
+    def on_prefill_done(self, reservation_id: int) -> None:
+        self.calls.append("prefill_done")
+
+    def on_request_finished(self, reservation_id: int) -> None:
+        self.calls.append("finished")
+        self.ledger.release(reservation_id)
+
+    def on_fallback(self, reservation_id: int) -> None:
+        self.calls.append("fallback")
+        self.ledger.release(reservation_id)
+
+
+@contextlib.contextmanager
+def _stack(
+    config: ClusterConfig, *, scale: float = 4.0, worker_scheduler: Any = None, **fields: Any
+) -> Iterator[tuple[BackgroundCluster, EmulatedCluster, CrossflowStack]]:
+    live = LiveCluster(config, cost_model=CostModel(*MODEL), time_scale=scale, scheduler=worker_scheduler)
+    background = BackgroundCluster(EmulatedCluster(live))
+    with background as cluster:
+        stack = CrossflowStack(cluster, **fields)
+        _on(background, stack.start())
+        try:
+            yield background, cluster, stack
+        finally:
+            _on(background, stack.stop())
+
+
+def _on(background: BackgroundCluster, coro: Any) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, background.loop).result(timeout=60)
+
+
+def _events(text: str) -> list[Any]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _client() -> Any:
+    return httpx.Client(trust_env=False, timeout=60.0)
+
+
+def _requests(cluster: EmulatedCluster) -> list[int]:
+    return [w.requests_total for w in cluster.workers]
+
+
+# ---------------------------------------------------------------------------------------------------
+def test_page_trees_and_prefill_queue() -> None:
+    trees = PageTrees(2, page_tokens=4, max_pages=3)
+    trees.insert(0, [1, 2, 3])
+    assert trees.match_tokens(0, [1, 2, 9], 12) == 8 and trees.match_tokens(1, [1], 4) == 0
+    trees.insert(0, [7])  # least recently used page dropped
+    assert trees.match_tokens(0, [1, 2], 8) == 0 and trees.matches([2, 3], 8, [0, 1]) == {0: 8}
+    queue = PrefillQueue()
+    first = queue.add(100, 1.0, 0.0)
+    queue.add(50, 1.0, 0.0)  # starts after the first: done at 2.0
+    assert queue.tokens(0.0) == 150 and queue.tokens(0.5) == 100  # half of the first is done
+    assert queue.tokens(1.5) == 25 and queue.tokens(2.0) == 0
+    second = queue.add(10, 1.0, 3.0)
+    queue.remove(second)
+    queue.remove(first)  # gone already: no error
+    assert queue.tokens(3.0) == 0
+
+
+def test_normal_path_serves_the_three_apis_by_dual_dispatch() -> None:
+    config = ClusterConfig(n_prefill=2, n_decode=2)
+    with _stack(config) as (_, cluster, stack), _client() as c:
+        url = stack.router.url
+        gen = c.post(
+            f"{url}/generate",
+            json={"text": "hello " * 40, "sampling_params": {"max_new_tokens": 5}, "stream": True},
+        )
+        events = _events(gen.text)
+        assert gen.status_code == 200 and events[-1] == "[DONE]"
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == [1, 2, 3, 4, 5]
+        comp = c.post(f"{url}/v1/completions", json={"prompt": "a b c " * 30, "max_tokens": 3}).json()
+        assert comp["choices"][0]["text"] == " tok" * 3 and comp["usage"]["completion_tokens"] == 3
+        chat = c.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        chunks = _events(chat.text)
+        assert chunks[-1] == "[DONE]" and chunks[-2]["usage"]["completion_tokens"] == 2
+        # each request: one prefill leg and one decode leg, paired in the simulator
+        n_p = sum(w.requests_total for w in cluster.prefill)
+        n_d = sum(w.requests_total for w in cluster.decode)
+        assert n_p == n_d == 3 and len(cluster.live.sim.reqs) == 3
+        assert all(r.prefill_worker >= 0 for r in cluster.live.sim.reqs)
+        info = c.get(f"{url}/server_info").json()
+        assert info["crossflow_router"]["policy"]["name"] == "static" and info["crossflow_time_scale"] == 4.0
+        assert len(c.get(f"{url}/workers").json()["workers"]) == 4
+        metrics = c.get(f"{url}/metrics").text
+        assert 'crossflow:requests_completed_total{path="normal"} 3' in metrics
+        assert 'crossflow:time_to_first_token_seconds_count{path="normal"} 3' in metrics
+
+
+def test_bad_bodies_get_a_400_naming_the_field_and_never_reach_a_worker() -> None:
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    with _stack(config) as (_, cluster, stack), _client() as c:
+        url = stack.router.url
+        cases = [
+            (c.post(f"{url}/generate", content=b"{not json"), "not JSON"),
+            (c.post(f"{url}/generate", json=[1, 2]), "JSON object"),
+            (c.post(f"{url}/generate", json={"sampling_params": {}}), "'input_ids' or 'text'"),
+            (
+                c.post(f"{url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": "9"}}),
+                "'max_new_tokens' must be an integer",
+            ),
+            (c.post(f"{url}/v1/completions", json={"prompt": 7}), "'prompt'"),
+            (c.post(f"{url}/v1/chat/completions", json={"messages": []}), "'messages'"),
+            (
+                c.post(
+                    f"{url}/generate",
+                    json={"input_ids": [5] * config.context_window_tokens, "sampling_params": {}},
+                ),
+                "context length",
+            ),
+        ]
+        for resp, needle in cases:
+            assert resp.status_code == 400, resp.text
+            assert needle in resp.json()["error"]["message"], resp.text
+        assert _requests(cluster) == [0, 0], "no worker saw any of them"
+
+
+def test_borrowed_path_goes_to_the_decode_worker_alone() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
+    worker_side = build_scheduler("utilisation", config, cm)  # the node's own lease
+    scheduler = BorrowMarked()
+    with (
+        _stack(
+            config, worker_scheduler=worker_side, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+        ) as (_, cluster, stack),
+        _client() as c,
+    ):
+        url = stack.router.url
+
+        async def run() -> str:
+            async with httpx.AsyncClient(trust_env=False, timeout=60.0) as ac:
+                body = {"input_ids": [9] * 500, "sampling_params": {"max_new_tokens": 150}}
+                warm = ac.post(f"{url}/generate", json=body)  # keeps the node busy: its leases tick
+                warm_task = asyncio.ensure_future(warm)
+                await asyncio.sleep(3 * config.control_interval_s * 4.0)
+                ids = list(range(100, 100 + BORROW_TOKENS))
+                local = await ac.post(
+                    f"{url}/generate",
+                    json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8}, "stream": True},
+                )
+                await warm_task
+                return local.text
+
+        events = _events(asyncio.run(run()))
+        assert events[-1] == "[DONE]" and events[-2]["meta_info"]["completion_tokens"] == 8
+        sim = cluster.live.sim
+        assert [r.path for r in sim.reqs].count(1) == 1, "prefilled on the decode node"
+        assert cluster.prefill[0].requests_total == 1, "the borrowed request never reached the prefill worker"
+        assert scheduler.calls == ["started", "prefill_done", "finished"]
+        metrics = c.get(f"{url}/metrics").text
+        assert 'crossflow:requests_completed_total{path="borrow"} 1' in metrics
+        assert 'crossflow:path_decisions_total{path="borrow",reason="borrowed"} 1' in metrics
+
+
+def test_a_refused_borrow_falls_back_to_the_normal_path_and_completes() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    scheduler = BorrowMarked()  # the router believes in a lease the node does not hold (revoked there)
+    with (
+        _stack(config, scheduler=scheduler, estimator=ClusterEstimator(config, cm)) as (_, cluster, stack),
+        _client() as c,
+    ):
+        ids = list(range(100, 100 + BORROW_TOKENS))
+        resp = c.post(
+            f"{stack.router.url}/generate",
+            json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4}, "stream": True},
+        )
+        events = _events(resp.text)
+        assert resp.status_code == 200 and events[-2]["meta_info"]["completion_tokens"] == 4
+        assert all("error" not in e for e in events[:-1]), "the refusal never reached the client"
+        assert scheduler.calls == ["fallback"]
+        assert cluster.decode[0].requests_total == 2 and cluster.prefill[0].requests_total == 1
+        assert [r.prefill_worker for r in cluster.live.sim.reqs] == [0], "completed on the normal path"
+        metrics = c.get(f"{stack.router.url}/metrics").text
+        assert 'crossflow:fallbacks_total{node="0",cause="refused"} 1' in metrics
+        assert 'crossflow:requests_completed_total{path="normal"} 1' in metrics
+
+
+def test_lease_agents_publish_leases_and_a_stopped_agents_lease_expires() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2)
+    scheduler = build_scheduler("utilisation", config, cm)
+    ttl_s = scheduler.policy_for(0).ttl_s
+    scale = 0.2  # emulated time runs 5x faster than wall time: a TTL passes quickly
+    with (
+        _stack(config, scale=scale, scheduler=scheduler, estimator=ClusterEstimator(config, cm)) as (
+            background,
+            _,
+            stack,
+        ),
+        _client() as c,
+    ):
+        router = stack.router
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(a.reports >= 2 for a in stack.agents):
+            time.sleep(0.05)
+        assert all(a.reports >= 2 for a in stack.agents) and all(a.errors == 0 for a in stack.agents)
+        ledger = router.scheduler.ledger
+        assert ledger.node_ids() == [0, 1] and all(
+            ledger.lease(j).is_live(router.now_s()) and not ledger.lease(j).budgets.is_zero() for j in (0, 1)
+        )
+        assert stack.agents[0].last_lease is not None and stack.agents[0].last_lease["prefill_tokens"] > 0
+        # the control plane: a token, and bodies checked
+        state = NodeState(0, 0.0, 0, 0.0, 0.0, 0.0, 1000, 0, 0, 0, 0, 0, 0.0, 0.0, 8).to_dict()
+        route = router.control_url + NODE_STATE_PATH
+        assert c.post(route, json={"node_id": 0, "node_state": state}).status_code == 401
+        bad = c.post(route, json={"node_id": 7, "node_state": state}, headers={"authorization": "Bearer x"})
+        assert bad.status_code == 401
+        auth = {"authorization": f"Bearer {router.control_token}"}
+        bad = c.post(route, json={"node_id": 7, "node_state": state}, headers=auth)
+        assert bad.status_code == 400 and "node_id" in bad.json()["error"]["message"]
+        bad = c.post(route, json={"node_id": 0, "node_state": {"nope": 1}}, headers=auth)
+        assert bad.status_code == 400 and "node_state" in bad.json()["error"]["message"]
+        assert router.control.host == "127.0.0.1"
+        # agent 0 dies: its node's lease is not refreshed and lapses at its TTL; node 1 keeps lending
+        _on(background, stack.agents[0].stop())
+        stopped_s = router.now_s()
+        time.sleep((ttl_s + 2 * config.control_interval_s) * scale + 0.3)
+        now = router.now_s()
+        assert now - stopped_s > ttl_s
+        assert not ledger.lease(0).is_live(now), "the lease of a silent node expired"
+        assert ledger.lease(1).is_live(now)
+        assert ledger.reserve(0, LeaseBudgets(1, 1, 0, 1, 1), now) is None, "nothing more is borrowed there"
+        metrics = c.get(f"{router.url}/metrics").text
+        assert 'crossflow:lease_budget{node="0",budget="prefill_tokens"} 0' in metrics
+        assert 'crossflow:lease_reports_total{node="1"}' in metrics
+
+
+def test_a_decode_worker_killed_mid_stream_ends_its_clients_stream_with_an_error() -> None:
+    config = ClusterConfig(n_prefill=1, n_decode=2)
+    with _stack(config, scale=2.0) as (background, cluster, stack):
+        url = stack.router.url
+
+        async def run() -> tuple[list[Any], int]:
+            async with httpx.AsyncClient(trust_env=False, timeout=60.0) as ac:
+                body = {"input_ids": [7] * 200, "sampling_params": {"max_new_tokens": 2000}, "stream": True}
+                events: list[Any] = []
+                async with ac.stream("POST", f"{url}/generate", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                        if len(events) == 3:  # streaming: kill the decode worker serving it
+                            victim = next(w for w in cluster.decode if w.requests_total)
+                            asyncio.run_coroutine_threadsafe(victim.stop(), background.loop)
+                # the other decode worker still serves
+                other = await ac.post(
+                    f"{url}/generate", json={**body, "sampling_params": {"max_new_tokens": 3}}
+                )
+                return events, other.status_code
+
+        t0 = time.monotonic()
+        events, other_status = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        assert time.monotonic() - t0 < 30, "no hang"
+        assert events[-1] == "[DONE]"
+        reason = events[-2]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 502, events[-2]
+        assert other_status == 200
+
+
+def test_a_prefill_worker_killed_while_its_decode_leg_waits_aborts_that_leg_and_retries() -> None:
+    config = ClusterConfig(n_prefill=2, n_decode=1)
+    with _stack(config, scale=4.0) as (background, cluster, stack):
+        url = stack.router.url
+
+        async def run() -> tuple[int, list[Any]]:
+            async with httpx.AsyncClient(trust_env=False, timeout=120.0) as ac:
+                body = {"input_ids": [11] * 60_000, "sampling_params": {"max_new_tokens": 3}, "stream": True}
+                task = asyncio.ensure_future(ac.post(f"{url}/generate", json=body))
+                while not any(w.requests_total for w in cluster.prefill) or cluster.live.in_flight() == 0:
+                    await asyncio.sleep(0.01)  # both legs met: the prefill is running
+                victim = next(w for w in cluster.prefill if w.requests_total)
+                asyncio.run_coroutine_threadsafe(victim.stop(), background.loop).result(10)
+                resp = await task
+                return resp.status_code, _events(resp.text)
+
+        status, events = asyncio.run(asyncio.wait_for(run(), timeout=90))
+        assert status == 200 and events[-2]["meta_info"]["completion_tokens"] == 3, "retried elsewhere"
+        assert sorted(w.requests_total for w in cluster.prefill) == [1, 1], "on the other prefill worker"
+        assert cluster.decode[0].requests_total == 2
+        assert cluster._rooms == {} and cluster.decode[0]._tasks == {}, "the first decode leg was aborted"
+        assert 'crossflow:retries_total{cause="transport"} 1' in stack.router.registry.exposition()
