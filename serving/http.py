@@ -85,7 +85,7 @@ async def read_request(reader: asyncio.StreamReader) -> HttpRequest:
     return HttpRequest(method.upper(), url.path or "/", dict(parse_qsl(url.query)), headers, body)
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes | str) -> Any:
     """Parse JSON (orjson when installed)."""
     return orjson.loads(data) if orjson is not None else json.loads(data)
 

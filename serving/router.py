@@ -492,10 +492,11 @@ class Router:
     def _lease_budgets(self) -> dict[tuple[str, ...], float]:
         if self.scheduler is None:
             return {}
-        ledger, now, out = self.scheduler.ledger, self.now_s(), {}
+        ledger, now = self.scheduler.ledger, self.now_s()
+        out: dict[tuple[str, ...], float] = {}
         for node in ledger.node_ids():
             lease = ledger.lease(node)
-            live = lease is not None and lease.is_live(now)
+            live = lease.is_live(now)
             for name, value in lease.budgets.to_dict().items():
                 out[(str(node), name)] = float(value) if live else 0.0
         return out
@@ -503,7 +504,8 @@ class Router:
     def _lease_utilisation(self) -> dict[tuple[str, ...], float]:
         if self.scheduler is None:
             return {}
-        ledger, now, out = self.scheduler.ledger, self.now_s(), {}
+        ledger, now = self.scheduler.ledger, self.now_s()
+        out: dict[tuple[str, ...], float] = {}
         for node in ledger.node_ids():
             granted = ledger.granted_prefill_tokens(node, now)
             out[(str(node),)] = self.m_borrowed_tokens.get(node) / granted if granted > 0 else 0.0
@@ -700,7 +702,7 @@ class Router:
                     await client.fail(flight.gen, exc.status or 502, exc.message)
                     return exc.status or 502
                 if decision is not None and decision.path == "borrow":  # fall back: normal path now
-                    self.m_fallbacks.inc(decision.node_id, "refused" if exc.status == 503 else "failed")
+                    self.m_fallbacks.inc(str(decision.node_id), "refused" if exc.status == 503 else "failed")
                     decision = None
                     continue
                 if exc.worker is not None:
@@ -926,11 +928,11 @@ class Router:
             ) from None
         try:
             if resp.status_code != 200 or not flight.gen.stream:
-                data = await resp.aread()
+                whole = await resp.aread()
                 problem = (
-                    _event_error(_json_or_none(data))
+                    _event_error(_json_or_none(whole))
                     if resp.status_code == 200
-                    else (resp.status_code, data.decode(errors="replace")[:500])
+                    else (resp.status_code, whole.decode(errors="replace")[:500])
                 )
                 if problem is not None:
                     d.breaker.record(self._worker_fine(problem[0], path))
@@ -938,7 +940,7 @@ class Router:
                 d.breaker.record(True)
                 on_first()
                 self.m_ttft.observe((time.perf_counter() - sent_s) / scale, path)
-                await client.whole(data)
+                await client.whole(whole)
                 self.m_completed.inc(path)
                 return 200
             last_s, last_tokens, done = sent_s, 0, False

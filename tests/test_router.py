@@ -273,6 +273,7 @@ def test_lease_agents_publish_leases_and_a_stopped_agents_lease_expires() -> Non
         while time.monotonic() < deadline and not all(a.reports >= 2 for a in stack.agents):
             time.sleep(0.05)
         assert all(a.reports >= 2 for a in stack.agents) and all(a.errors == 0 for a in stack.agents)
+        assert router.scheduler is not None
         ledger = router.scheduler.ledger
         assert ledger.node_ids() == [0, 1] and all(
             ledger.lease(j).is_live(router.now_s()) and not ledger.lease(j).budgets.is_zero() for j in (0, 1)
