@@ -359,3 +359,85 @@ def test_a_prefill_worker_killed_while_its_decode_leg_waits_aborts_that_leg_and_
         assert cluster.decode[0].requests_total == 2
         assert cluster._rooms == {} and cluster.decode[0]._tasks == {}, "the first decode leg was aborted"
         assert 'crossflow:retries_total{cause="transport"} 1' in stack.router.registry.exposition()
+
+
+def test_a_lease_revoked_while_borrowed_work_is_queued_falls_back_before_its_first_token() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
+    worker_side = build_scheduler("utilisation", config, cm)
+    scheduler = BorrowMarked()
+    with (
+        _stack(
+            config, worker_scheduler=worker_side, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+        ) as (_, cluster, stack),
+    ):
+        live = cluster.live
+        submit = live.submit_borrowed
+
+        def submit_then_revoke(*args: Any, **kwargs: Any) -> Any:
+            """The node's lease is revoked right after the borrowed request queued there."""
+            queued = submit(*args, **kwargs)
+            assert worker_side.ledger.revoke(kwargs["decode_worker"], live.sim.now_s)
+            return queued
+
+        live.submit_borrowed = submit_then_revoke  # type: ignore[method-assign]
+        url = stack.router.url
+
+        async def run() -> str:
+            async with httpx.AsyncClient(trust_env=False, timeout=60.0) as ac:
+                warm = asyncio.ensure_future(
+                    ac.post(
+                        f"{url}/generate",
+                        json={"input_ids": [9] * 500, "sampling_params": {"max_new_tokens": 150}},
+                    )
+                )
+                await asyncio.sleep(3 * config.control_interval_s * 4.0)  # the node lends now
+                ids = list(range(100, 100 + BORROW_TOKENS))
+                resp = await ac.post(
+                    f"{url}/generate",
+                    json={"input_ids": ids, "sampling_params": {"max_new_tokens": 5}, "stream": True},
+                )
+                await warm
+                return resp.text
+
+        events = _events(asyncio.run(asyncio.wait_for(run(), timeout=60)))
+        assert events[-2]["meta_info"]["completion_tokens"] == 5 and all(
+            "error" not in e for e in events[:-1]
+        )
+        assert scheduler.calls == ["fallback"], "it fell back before its first token"
+        sim = live.sim
+        assert [r.path for r in sim.reqs].count(1) == 0, "nothing was prefilled on the revoked lease"
+        assert cluster.prefill[0].requests_total == 2, "the fallback took the normal path"
+
+
+def test_twice_the_clusters_capacity_for_a_bounded_time_loses_no_request() -> None:
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    n = 40
+    with _stack(config, scale=1.0) as (_, cluster, stack):
+        url = stack.router.url
+
+        async def one(ac: Any, i: int) -> tuple[int, str]:
+            body = {"input_ids": [100 + i] * 4000, "sampling_params": {"max_new_tokens": 20}}
+            resp = await ac.post(f"{url}/generate", json=body)
+            return resp.status_code, resp.text
+
+        async def burst() -> list[tuple[int, str]]:
+            async with httpx.AsyncClient(
+                trust_env=False, timeout=120.0, limits=httpx.Limits(max_connections=None)
+            ) as ac:
+                return await asyncio.gather(*(one(ac, i) for i in range(n)))
+
+        t0 = time.monotonic()
+        answers = asyncio.run(asyncio.wait_for(burst(), timeout=120))
+        elapsed = time.monotonic() - t0
+        for status, text in answers:
+            body = json.loads(text)
+            if status == 200:
+                assert body["meta_info"]["completion_tokens"] == 20
+            else:
+                assert status >= 400 and body["error"]["message"], "a clear error"
+        done = sum(1 for s, _ in answers if s == 200)
+        assert done == n, f"{n - done} refused"
+        # the burst offered its work at once, far above what one prefill worker does per second
+        work_s = sum(cluster.live.cm.prefill_time_s(4000, 0, config.prefill_chunk_tokens) for _ in range(n))
+        assert elapsed > 0.5 * work_s, "the requests really queued"
