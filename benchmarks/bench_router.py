@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -31,7 +36,7 @@ from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
 from envs.live import LiveCluster
-from serving.gateways import Gateway, missing_reason
+from serving.gateways import Gateway, GatewaySpec, missing_reason
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
 from serving.replay import ReplayConfig, replay
 from serving.stack import CrossflowStack
@@ -91,15 +96,45 @@ def agree(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up in {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def _process(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 async def _direct(
-    client: httpx.AsyncClient, cluster: EmulatedCluster, body: dict[str, Any], room: int
+    client: httpx.AsyncClient, urls: tuple[str, str, int], body: dict[str, Any], room: int
 ) -> None:
     """Dual dispatch by the client itself (the baseline without a gateway)."""
-    legs = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.prefill[0].bootstrap_port,
-            "bootstrap_room": room}  # fmt: skip
+    prefill_url, decode_url, bootstrap_port = urls
+    legs = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room}
     p, d = await asyncio.gather(
-        client.post(cluster.prefill_urls[0] + "/generate", json={**legs, "stream": False}),
-        client.post(cluster.decode_urls[0] + "/generate", json=legs),
+        client.post(prefill_url + "/generate", json={**legs, "stream": False}),
+        client.post(decode_url + "/generate", json=legs),
     )
     assert p.status_code == d.status_code == 200, (p.text, d.text)
 
@@ -120,11 +155,11 @@ async def _measure(send: Any, n: int, concurrency: int) -> tuple[list[float], fl
             t0 = time.perf_counter()
             await send(client, body, i)
             latencies.append(time.perf_counter() - t0)
-        counter = iter(range(2 * 10**9, 3 * 10**9))
+        rooms = iter(range(2 * 10**9, 3 * 10**9))
 
         async def worker() -> None:
             for _ in range(n // concurrency):
-                await send(client, body, next(counter))
+                await send(client, body, next(rooms))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -133,38 +168,45 @@ async def _measure(send: Any, n: int, concurrency: int) -> tuple[list[float], fl
 
 
 def overhead(args: argparse.Namespace) -> None:
+    """Each server in its own process (workers, router, smg), the client in this one."""
     config = ClusterConfig(n_prefill=1, n_decode=1)
     cm = CostModel("H200", "gpt-oss-120b", 1)
-    step_s = cm.prefill_time_s(64, 0, config.prefill_chunk_tokens)
-    scale = args.iteration_us * 1e-6 / step_s
-    background = BackgroundCluster(EmulatedCluster(LiveCluster(config, cost_model=cm, time_scale=scale)))
+    scale = args.iteration_us * 1e-6 / cm.prefill_time_s(64, 0, config.prefill_chunk_tokens)
+    base = _free_port()
+    prefill_url, decode_url, bootstrap = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}", base + 2
+    crossflow = [sys.executable, "-m", "train.cli"]
+    serve = [*crossflow, "serve", "--emulate", "1P1D", "--port", str(base), "--time-scale", f"{scale:.6g}"]
     results: dict[str, tuple[list[float], float]] = {}
-    with background as cluster:
 
-        def run(send: Any) -> tuple[list[float], float]:
-            return asyncio.run(_measure(send, args.requests, args.concurrency))
+    def run(send: Any) -> tuple[list[float], float]:
+        return asyncio.run(_measure(send, args.requests, args.concurrency))
 
-        results["direct"] = run(lambda c, b, r: _direct(c, cluster, b, r))
-        stack = CrossflowStack(cluster)
-        _on(background, stack.start())
-        results["crossflow"] = run(lambda c, b, r: _through(c, stack.router.url, b, r))
-        _on(background, stack.stop())
+    with _process(serve):
+        _wait_ready(prefill_url)
+        _wait_ready(decode_url)
+        results["direct"] = run(lambda c, b, r: _direct(c, (prefill_url, decode_url, bootstrap), b, r))
+        port = _free_port()
+        router = [*crossflow, "router", "--prefill", prefill_url, str(bootstrap), "--decode", decode_url,
+                  "--port", str(port)]  # fmt: skip
+        with _process(router):
+            _wait_ready(f"http://127.0.0.1:{port}")
+            results["crossflow"] = run(lambda c, b, r: _through(c, f"http://127.0.0.1:{port}", b, r))
         if missing_reason("smg") is None:
-            with Gateway(cluster.gateway_spec("smg"), stop_grace_s=1.0) as gateway:
+            spec = GatewaySpec("smg", prefill=((prefill_url, bootstrap),), decode=(decode_url,))
+            with Gateway(spec, stop_grace_s=1.0) as gateway:
                 results["smg"] = run(lambda c, b, r: _through(c, gateway.url, b, r))
         else:
             print(f"smg: skipped ({missing_reason('smg')})")
-    base = np.array(results["direct"][0])
-    print(f"1P1D, instant workers (a 64-token iteration takes {args.iteration_us:g} us), {args.requests} "
-          f"sequential requests, then {args.concurrency} in flight")  # fmt: skip
+    direct = np.array(results["direct"][0])
+    print(f"1P1D, instant workers (a 64-token prefill takes {args.iteration_us:g} us), {args.requests} "
+          f"sequential requests, then {args.concurrency} in flight; each server its own process")  # fmt: skip
     print(f"{'':12}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>12}{'added p99':>12}{'req/s':>10}")
     for name, (lat, rate) in results.items():
         a = np.array(lat)
         p50, p99 = np.percentile(a, 50) * 1e3, np.percentile(a, 99) * 1e3
-        add50 = p50 - np.percentile(base, 50) * 1e3
-        add99 = p99 - np.percentile(base, 99) * 1e3
+        add50 = p50 - np.percentile(direct, 50) * 1e3
+        add99 = p99 - np.percentile(direct, 99) * 1e3
         print(f"{name:<12}{p50:>10.2f}{p99:>10.2f}{add50:>+12.2f}{add99:>+12.2f}{rate:>10.0f}")
-    print(f"(median of per-request latencies; {statistics.median(results['direct'][0]) * 1e3:.2f} ms direct)")
 
 
 def main() -> None:

@@ -99,6 +99,9 @@ from serving.resilience import (
 NODE_STATE_PATH = "/crossflow/v1/node_state"
 """The control plane's lease-report route (``POST``, JSON ``{"node_id": j, "node_state": {...}}``)."""
 ROOM_BITS = 63
+BLOCK_TOKENS = 16
+"""The router's prefix trees hash token ids in blocks of at least this many tokens (whole KV pages):
+a match is known to within one block, and a long prompt costs one hash per block, not per token."""
 STATE_FRESH_INTERVALS = 1.5
 """A node's reported state is used at a control interval when it is at most this many intervals old."""
 
@@ -379,10 +382,11 @@ class Router:
         self.prefill_pool, self.decode_pool = WorkerPool(len(self.prefill)), WorkerPool(len(self.decode))
         self._prefill_router: RoutingPolicy = make_routing_policy(config.prefill_routing, config.cache_aware)
         self._decode_router: RoutingPolicy = make_routing_policy(config.decode_routing, config.cache_aware)
-        max_pages = config.cache_aware.max_tree_size // (CHARS_PER_TOKEN * config.page_tokens)
-        self._prefill_trees = PageTrees(len(self.prefill), config.page_tokens, max_pages)
-        self._decode_trees = PageTrees(len(self.decode), config.page_tokens, max_pages)
-        self._hasher = PrefixResolver(config.page_tokens)
+        block = -(-BLOCK_TOKENS // config.page_tokens) * config.page_tokens
+        max_pages = config.cache_aware.max_tree_size // (CHARS_PER_TOKEN * block)
+        self._prefill_trees = PageTrees(len(self.prefill), block, max_pages)
+        self._decode_trees = PageTrees(len(self.decode), block, max_pages)
+        self._hasher = PrefixResolver(block)
         self._prefill_queues = [PrefillQueue() for _ in self.prefill]
         self._decode_kv = [0] * len(self.decode)
         self._overloaded: dict[str, list[bool]] = {

@@ -13,6 +13,7 @@ simulator's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from envs.cluster_config import ClusterConfig
@@ -22,24 +23,51 @@ from serving.pd_cluster import EmulatedCluster
 from serving.router import PolicyInfo, QueueEstimator, Router, RouterConfig, SchedulerLike
 
 
-def router_config(cluster: EmulatedCluster, **fields: Any) -> RouterConfig:
-    """The router's configuration for ``cluster``'s workers and model; ``fields`` override."""
-    config: ClusterConfig = cluster.live.config
+def router_config_for(
+    config: ClusterConfig,
+    cost_model: Any,
+    prefill: Sequence[tuple[str, int | None]],
+    decode: Sequence[str],
+    **fields: Any,
+) -> RouterConfig:
+    """The router's configuration for workers serving ``config``'s model and settings (``cost_model``
+    gives the model's vocabulary and a worker's KV capacity); ``fields`` override."""
     base: dict[str, Any] = {
-        "prefill": tuple((w.url, w.bootstrap_port) for w in cluster.prefill),
-        "decode": tuple(cluster.decode_urls),
-        "model_name": cluster.served_model_name,
+        "prefill": tuple(prefill),
+        "decode": tuple(decode),
+        "model_name": cost_model.model.name,
         "context_window_tokens": config.context_window_tokens,
-        "vocab_size": cluster.live.cm.model.vocab,
+        "vocab_size": cost_model.model.vocab,
         "page_tokens": config.page_tokens,
-        "kv_capacity_tokens": cluster.live.cm.kv_capacity_tokens,
+        "kv_capacity_tokens": cost_model.kv_capacity_tokens,
         "decode_prefix_cache": config.decode_prefix_cache,
         "prefill_routing": config.prefill_routing,
         "decode_routing": config.decode_routing,
         "overload": OverloadProtection() if config.router_overload_protection else None,
-        "time_scale": cluster.live.time_scale,
     }
     return RouterConfig(**{**base, **fields})
+
+
+def router_config(cluster: EmulatedCluster, **fields: Any) -> RouterConfig:
+    """The router's configuration for ``cluster``'s workers and model; ``fields`` override."""
+    prefill = [(w.url, w.bootstrap_port) for w in cluster.prefill]
+    fields = {"model_name": cluster.served_model_name, "time_scale": cluster.live.time_scale, **fields}
+    return router_config_for(cluster.live.config, cluster.live.cm, prefill, cluster.decode_urls, **fields)
+
+
+def start_lease_agents(router: Router, decode_urls: Sequence[str]) -> list[LeaseAgent]:
+    """One lease agent per decode worker, reporting to ``router`` every control interval (none
+    without a scheduler); started on the running loop."""
+    if router.scheduler is None:
+        return []
+    interval_wall_s = router.scheduler.control_interval_s * router.config.time_scale
+    agents = [
+        LeaseAgent(url, j, router.control_url, router.control_token, interval_wall_s)
+        for j, url in enumerate(decode_urls)
+    ]
+    for agent in agents:
+        agent.start()
+    return agents
 
 
 class CrossflowStack:
@@ -62,16 +90,7 @@ class CrossflowStack:
 
     async def start(self) -> None:
         await self.router.start()
-        scheduler = self.router.scheduler
-        if scheduler is None:
-            return
-        interval_wall_s = scheduler.control_interval_s * self.router.config.time_scale
-        self.agents = [
-            LeaseAgent(url, j, self.router.control_url, self.router.control_token, interval_wall_s)
-            for j, url in enumerate(self.cluster.decode_urls)
-        ]
-        for agent in self.agents:
-            agent.start()
+        self.agents = start_lease_agents(self.router, self.cluster.decode_urls)
 
     async def stop(self) -> None:
         for agent in self.agents:
@@ -79,4 +98,4 @@ class CrossflowStack:
         await self.router.stop()
 
 
-__all__ = ["CrossflowStack", "router_config"]
+__all__ = ["CrossflowStack", "router_config", "router_config_for", "start_lease_agents"]
