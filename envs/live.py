@@ -33,7 +33,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -531,13 +531,20 @@ class LiveCluster:
         )
 
     def node_state(self, idx: int) -> NodeState:
-        """Decode worker ``idx``'s ``NodeState`` as its node's scheduler saw it at the last control
-        interval (the step-time averages cover a whole interval then), or now before the first one
-        or without a scheduler: what the SGLang plugin reports in ``/server_info`` on a real worker."""
+        """Decode worker ``idx``'s ``NodeState`` now, its recent step times those of the last whole
+        control interval (the simulator's counters restart at every interval, so a state read
+        mid-interval would average a fraction of one): what the SGLang plugin reports in
+        ``/server_info`` on a real worker."""
         self._advance()
+        state = self.sim._node_state(self.sim.decode[idx])
         if self.sim.tick_node_states:
-            return self.sim.tick_node_states[idx]
-        return self.sim._node_state(self.sim.decode[idx])
+            tick = self.sim.tick_node_states[idx]
+            state = replace(
+                state,
+                recent_step_time_s=tick.recent_step_time_s,
+                recent_decode_only_step_time_s=tick.recent_decode_only_step_time_s,
+            )
+        return state
 
     def _transferring(self, live: LiveRequest) -> bool:
         req = self.sim.reqs[live.rid]

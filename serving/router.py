@@ -123,6 +123,8 @@ class SchedulerLike(Protocol):
 
     def choose_path(self, q: PathQuery, now_s: float) -> PathDecision: ...
 
+    def on_task_arrival(self, reservation_id: int, state: NodeState, now_s: float) -> str: ...
+
     def on_task_started(self, reservation_id: int, now_s: float) -> bool: ...
 
     def on_prefill_done(self, reservation_id: int) -> None: ...
@@ -881,6 +883,9 @@ class Router:
         leg_body = {**self._room_body(body, p, rid), "do_local_prefill": True}
         self._enter(flight, d, None)
         started = False
+        reported = self._reports.get(d.idx)
+        if reported is not None:  # it reaches the node now: its next lease counts it as the node's work
+            self.scheduler.on_task_arrival(res, reported[0], self.now_s())
 
         def first_token() -> None:
             nonlocal started

@@ -55,12 +55,17 @@ def router_config(cluster: EmulatedCluster, **fields: Any) -> RouterConfig:
     return router_config_for(cluster.live.config, cluster.live.cm, prefill, cluster.decode_urls, **fields)
 
 
+REPORTS_PER_INTERVAL = 4
+"""Lease agents report this many times per control interval, so the state the router's scheduler
+reads at its interval is at most a quarter of one old."""
+
+
 def start_lease_agents(router: Router, decode_urls: Sequence[str]) -> list[LeaseAgent]:
-    """One lease agent per decode worker, reporting to ``router`` every control interval (none
-    without a scheduler); started on the running loop."""
+    """One lease agent per decode worker, reporting to ``router`` ``REPORTS_PER_INTERVAL`` times per
+    control interval (none without a scheduler); started on the running loop."""
     if router.scheduler is None:
         return []
-    interval_wall_s = router.scheduler.control_interval_s * router.config.time_scale
+    interval_wall_s = router.scheduler.control_interval_s * router.config.time_scale / REPORTS_PER_INTERVAL
     agents = [
         LeaseAgent(url, j, router.control_url, router.control_token, interval_wall_s)
         for j, url in enumerate(decode_urls)
