@@ -465,7 +465,7 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     config, cm = point.cluster(), point.cost_model()
     with _stack(
         config,
-        scale=2.0,
+        scale=3.0,
         worker_scheduler=build_scheduler("heuristic", config, cm),
         scheduler=build_scheduler("heuristic", config, cm),
         estimator=ClusterEstimator(config, cm),
