@@ -480,3 +480,88 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     assert m["ttft_mean_s"] == pytest.approx(simulated.ttft_mean_s, rel=0.20)
     assert m["itl_mean_s"] == pytest.approx(simulated.itl_mean_s, rel=0.10)
     assert borrowed_share == pytest.approx(simulated.borrowed_share, abs=0.15)
+
+
+def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``crossflow serve --router crossflow --policy heuristic`` serves a replay and stops on Ctrl-C;
+    ``crossflow router`` in front of running workers does too; bad worker flags are refused."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from envs.request import Request, Trace
+    from envs.traces import save_bundle
+    from train.cli import main
+
+    bundle = tmp_path / "tiny.csv.gz"
+    save_bundle(Trace("t", [Request(i, -1, 0, 0.1 * i, 600 + 97 * i, 8) for i in range(4)]), bundle)
+
+    def run_until_serving(command: list[str], ready: str) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train.cli", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith(ready):
+                break
+        return proc, "".join(lines)
+
+    def stop(proc: subprocess.Popen[str]) -> str:
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        return rest
+
+    serve = ["serve", "--emulate", "1P2D", "--port", "0", "--router", "crossflow", "--policy", "heuristic"]
+    proc, text = run_until_serving([*serve, "--time-scale", "2"], "serving ")
+    try:
+        found = re.search(
+            r"^\s+router\s+(http://127\.0\.0\.1:\d+)\s+\(crossflow, policy heuristic\)", text, re.M
+        )
+        assert found is not None and "(2 lease agents)" in text, text
+        assert main(["replay", "--url", found[1], "--trace", str(bundle)]) == 0
+        assert "4 / 4" in capsys.readouterr().out
+        rest = stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "served 4 requests" in rest and "router stopped (normal 4)" in rest
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    background = BackgroundCluster(
+        EmulatedCluster(LiveCluster(config, cost_model=CostModel(*MODEL), time_scale=2.0))
+    )
+    with background as cluster:
+        p = cluster.prefill[0]
+        command = ["router", "--prefill", p.url, str(p.bootstrap_port), "--decode", cluster.decode_urls[0]]
+        proc, text = run_until_serving([*command, "--port", "0"], "control ")
+        try:
+            found = re.search(
+                r"^router (http://127\.0\.0\.1:\d+)\s+\(crossflow, policy static, time scale 2\)", text, re.M
+            )
+            assert found is not None, text
+            assert main(["replay", "--url", found[1], "--trace", str(bundle)]) == 0
+            assert "4 / 4" in capsys.readouterr().out
+            assert "router stopped" in stop(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert main(["router", "--prefill", "http://x", "1", "2", "--decode", "http://y"]) == 2
+    assert "URL [BOOTSTRAP_PORT]" in capsys.readouterr().err
+    assert main(["router", "--prefill", "x:1", "--decode", "http://y"]) == 2
+    assert "http://" in capsys.readouterr().err
