@@ -27,6 +27,7 @@ from policies.path import PathDecision, PathQuery, PathReason  # noqa: E402
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster  # noqa: E402
 from serving.router import NODE_STATE_PATH, PageTrees, PrefillQueue  # noqa: E402
 from serving.stack import CrossflowStack  # noqa: E402
+from tests.test_serving_pd import _events  # noqa: E402
 from train.experiment import build_scheduler  # noqa: E402
 
 MODEL = ("H200", "gpt-oss-120b", 1)
@@ -93,15 +94,6 @@ def _stack(
 
 def _on(background: BackgroundCluster, coro: Any) -> Any:
     return asyncio.run_coroutine_threadsafe(coro, background.loop).result(timeout=60)
-
-
-def _events(text: str) -> list[Any]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            data = line[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def _client() -> Any:
