@@ -457,7 +457,7 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     config, cm = point.cluster(), point.cost_model()
     with _stack(
         config,
-        scale=3.0,
+        scale=6.0,
         worker_scheduler=build_scheduler("heuristic", config, cm),
         scheduler=build_scheduler("heuristic", config, cm),
         estimator=ClusterEstimator(config, cm),
@@ -519,7 +519,7 @@ def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
         return rest
 
     serve = ["serve", "--emulate", "1P2D", "--port", "0", "--router", "crossflow", "--policy", "heuristic"]
-    proc, text = run_until_serving([*serve, "--time-scale", "2"], "serving ")
+    proc, text = run_until_serving([*serve, "--time-scale", "4"], "serving ")
     try:
         found = re.search(
             r"^\s+router\s+(http://127\.0\.0\.1:\d+)\s+\(crossflow, policy heuristic\)", text, re.M
@@ -535,7 +535,7 @@ def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
     assert "served 4 requests" in rest and "router stopped (normal 4)" in rest
     config = ClusterConfig(n_prefill=1, n_decode=1)
     background = BackgroundCluster(
-        EmulatedCluster(LiveCluster(config, cost_model=CostModel(*MODEL), time_scale=2.0))
+        EmulatedCluster(LiveCluster(config, cost_model=CostModel(*MODEL), time_scale=4.0))
     )
     with background as cluster:
         p = cluster.prefill[0]
@@ -543,7 +543,7 @@ def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
         proc, text = run_until_serving([*command, "--port", "0"], "control ")
         try:
             found = re.search(
-                r"^router (http://127\.0\.0\.1:\d+)\s+\(crossflow, policy static, time scale 2\)", text, re.M
+                r"^router (http://127\.0\.0\.1:\d+)\s+\(crossflow, policy static, time scale 4\)", text, re.M
             )
             assert found is not None, text
             assert main(["replay", "--url", found[1], "--trace", str(bundle)]) == 0
