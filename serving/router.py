@@ -402,7 +402,7 @@ class Router:
         self._reports: dict[int, tuple[NodeState, float]] = {}
         self._reservation_nodes: dict[int, int] = {}
         """Active borrow reservations -> their node (to label revocations)."""
-        self.http = HttpServer(self._route, config.host, config.port)
+        self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
         self.control = HttpServer(self._control_route, config.control_host, config.control_port)
         self.client: httpx.AsyncClient | None = None
         self._t0 = time.perf_counter()
@@ -554,7 +554,8 @@ class Router:
                         flags.append(self._overloaded[role][w.idx])
                 self._overloaded[role] = flags
             self._refresh_flags()
-            await asyncio.sleep(rule.load_monitor_interval_s * self.config.time_scale)
+            # at least 1 s of wall time, as smg's whole-second flag allows (gateway_timer_args)
+            await asyncio.sleep(max(1.0, rule.load_monitor_interval_s * self.config.time_scale))
 
     def _refresh_flags(self) -> None:
         """Pools' candidate flags: overloaded, unhealthy or breaker-open workers are left out."""
