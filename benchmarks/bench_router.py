@@ -82,9 +82,9 @@ def agree(args: argparse.Namespace) -> None:
           f"time scale {args.time_scale:g} (replay {wall_s:.0f} s wall, lag check: {lag})")  # fmt: skip
     print(f"{'':24}{'simulate':>12}{'router':>12}{'diff':>10}")
     rows = [
-        ("input tokens/s", sim.input_tokens_per_s, m["input_tokens_per_s"]),
-        ("mean TTFT (s)", sim.ttft_mean_s, m["ttft_mean_s"]),
-        ("mean ITL (ms)", sim.itl_mean_s * 1e3, m["itl_mean_s"] * 1e3),
+        ("input tokens/s", sim.input_tokens_per_s, float(m["input_tokens_per_s"])),
+        ("mean TTFT (s)", sim.ttft_mean_s, float(m["ttft_mean_s"])),
+        ("mean ITL (ms)", sim.itl_mean_s * 1e3, float(m["itl_mean_s"]) * 1e3),
     ]
     for name, a, b in rows:
         print(f"{name:<24}{a:>12.4g}{b:>12.4g}{(b - a) / a:>+10.1%}")

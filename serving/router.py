@@ -84,7 +84,7 @@ from serving.http import (
     send_json,
     send_text,
 )
-from serving.pd_cluster import CHARS_PER_TOKEN, Generation, parse_generation
+from serving.pd_cluster import CHARS_PER_TOKEN, Generation, parse_generation, render_abort
 from serving.prom import Registry
 from serving.replay import TIME_SCALE_KEY
 from serving.resilience import (
@@ -821,6 +821,8 @@ class Router:
         prefill_body["stream"] = False
         self._enter(flight, d, p)
         prefill_task = asyncio.create_task(self._prefill_leg(p, prefill_body, flight.gen.api))
+        # the prefill pool counts the request until its prefill worker answered (policies.routing)
+        prefill_task.add_done_callback(lambda _: self.prefill_pool.finished(p.idx))
         decode_task = asyncio.create_task(
             self._relay(d, leg_body, client, flight, "normal", lambda: self._prefill_left(flight, p))
         )
@@ -838,7 +840,6 @@ class Router:
             return await decode_task
         finally:
             self._prefill_left(flight, p)
-            self.prefill_pool.finished(p.idx)
             self._leave(flight, d)
             for task in (prefill_task, decode_task):
                 if not task.done():
@@ -1031,8 +1032,6 @@ class _ClientSide:
 
     async def fail(self, gen: Generation, status: int, message: str) -> None:
         """An error answer: an HTTP error before anything was sent, else an error event and the end."""
-        from serving.pd_cluster import render_abort
-
         if not self.started:
             self.started = True
             await send_json(self.writer, status, {"error": {"message": message, "code": status}})
