@@ -268,9 +268,10 @@ def test_lease_agents_publish_leases_and_a_stopped_agents_lease_expires() -> Non
         ledger = router.scheduler.ledger
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (
-            all(a.reports >= 2 for a in stack.agents) and ledger.node_ids() == [0, 1]
+            all(a.reports >= 2 and a.last_lease is not None for a in stack.agents)
+            and ledger.node_ids() == [0, 1]
         ):
-            time.sleep(0.05)  # the agents report; the router's next control interval publishes
+            time.sleep(0.05)  # the agents report, the router's control interval publishes, they hear
         assert all(a.reports >= 2 for a in stack.agents) and all(a.errors == 0 for a in stack.agents)
         assert ledger.node_ids() == [0, 1] and all(
             ledger.lease(j).is_live(router.now_s()) and not ledger.lease(j).budgets.is_zero() for j in (0, 1)
