@@ -33,7 +33,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from envs.sim_state import FALLBACK, DecodeWorker, PrefillWorker, ReqState
 from envs.simulator import SchedulerHooks, Simulator
 from envs.trace_formats import _prefix_fields, _PrefixIndex
 from policies.lease import LeaseBudgets
+from policies.node_state import NodeState
 
 LAG_LIMIT_SHARE = 0.05
 """A run whose largest lag exceeds this share of its wall duration fails its lag check."""
@@ -528,6 +529,22 @@ class LiveCluster:
             generated_tokens_total=self._generated[idx],
             context_tokens=sum(r.context for r in w.running if not r.needs_recompute),
         )
+
+    def node_state(self, idx: int) -> NodeState:
+        """Decode worker ``idx``'s ``NodeState`` now, its recent step times those of the last whole
+        control interval (the simulator's counters restart at every interval, so a state read
+        mid-interval would average a fraction of one): what the SGLang plugin reports in
+        ``/server_info`` on a real worker."""
+        self._advance()
+        state = self.sim._node_state(self.sim.decode[idx])
+        if self.sim.tick_node_states:
+            tick = self.sim.tick_node_states[idx]
+            state = replace(
+                state,
+                recent_step_time_s=tick.recent_step_time_s,
+                recent_decode_only_step_time_s=tick.recent_decode_only_step_time_s,
+            )
+        return state
 
     def _transferring(self, live: LiveRequest) -> bool:
         req = self.sim.reqs[live.rid]

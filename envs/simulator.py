@@ -222,6 +222,8 @@ class Simulator:
         self._next_load_poll_s = 0.0
         self.finished = 0
         self.counters = Counters()
+        self.tick_node_states: list[NodeState] = []
+        """The decode nodes' states the scheduler was handed at the last control interval."""
         self.rejected_context = 0
         self._decode_terms: dict[int, tuple[float, float]] = {}
         self._event_kind = _EV_RELEASE
@@ -1265,7 +1267,8 @@ class Simulator:
 
     def _on_tick(self) -> None:
         assert self.scheduler is not None
-        revoked = set(self.scheduler.on_control_interval(self.now_s, self.node_states()) or ())
+        self.tick_node_states = self.node_states()
+        revoked = set(self.scheduler.on_control_interval(self.now_s, self.tick_node_states) or ())
         for w in self.decode:
             rate, expires_s = self.scheduler.lease_rate(w.idx)
             w.bucket.set_lease(self.now_s, rate, expires_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,7 +86,7 @@ async def read_request(reader: asyncio.StreamReader) -> HttpRequest:
     return HttpRequest(method.upper(), url.path or "/", dict(parse_qsl(url.query)), headers, body)
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes | str) -> Any:
     """Parse JSON (orjson when installed)."""
     return orjson.loads(data) if orjson is not None else json.loads(data)
 
@@ -104,16 +105,25 @@ def _plain(obj: Any) -> Any:
     return tolist()
 
 
-def _head(status: int, content_type: str, length: int | None) -> bytes:
+_KEEP_ALIVE: weakref.WeakKeyDictionary[asyncio.StreamWriter, bool] = weakref.WeakKeyDictionary()
+"""Connections of a ``keep_alive`` server whose current request may be followed by another one."""
+
+
+def _head(status: int, content_type: str, length: int | None, keep_alive: bool = False) -> bytes:
     lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}", f"Content-Type: {content_type}"]
     if length is not None:
         lines.append(f"Content-Length: {length}")
-    lines += ["Cache-Control: no-cache", "Connection: close", "", ""]
+    lines += [
+        "Cache-Control: no-cache",
+        "Connection: keep-alive" if keep_alive else "Connection: close",
+        "",
+        "",
+    ]
     return "\r\n".join(lines).encode("latin-1")
 
 
 async def send_bytes(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str) -> None:
-    writer.write(_head(status, content_type, len(body)) + body)
+    writer.write(_head(status, content_type, len(body), _KEEP_ALIVE.get(writer, False)) + body)
     await writer.drain()
 
 
@@ -135,6 +145,7 @@ class SseStream:
         self.started = False
 
     async def start(self) -> None:
+        _KEEP_ALIVE[self.writer] = False  # a stream ends with the connection
         self.writer.write(_head(200, "text/event-stream", None))
         self.started = True
         await self.writer.drain()
@@ -155,10 +166,15 @@ Handler = Callable[[HttpRequest, asyncio.StreamWriter], Awaitable[None]]
 
 class HttpServer:
     """Serves ``handler`` on ``host:port`` (0: a free port). ``await start()``; ``await stop()``
-    closes the socket and cancels the requests still being answered."""
+    closes the socket and cancels the requests still being answered. With ``keep_alive`` a
+    connection serves further requests after an answer with a ``Content-Length`` (unless the client
+    sent ``Connection: close``); a stream still ends its connection."""
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, handler: Handler, host: str = "127.0.0.1", port: int = 0, *, keep_alive: bool = False
+    ) -> None:
         self.handler = handler
+        self.keep_alive = keep_alive
         self.host, self.port = host, port
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -187,11 +203,20 @@ class HttpServer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         try:
-            try:
-                request = await read_request(reader)
-                await self.handler(request, writer)
-            except HttpError as exc:
-                await send_json(writer, exc.status, {"error": {"message": exc.message, "code": exc.status}})
+            while True:
+                try:
+                    request = await read_request(reader)
+                    _KEEP_ALIVE[writer] = (
+                        self.keep_alive and request.headers.get("connection", "").lower() != "close"
+                    )
+                    await self.handler(request, writer)
+                except HttpError as exc:
+                    _KEEP_ALIVE[writer] = False
+                    await send_json(
+                        writer, exc.status, {"error": {"message": exc.message, "code": exc.status}}
+                    )
+                if not _KEEP_ALIVE.get(writer, False):
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
         finally:

@@ -58,6 +58,7 @@ from policies.routing import CacheAwareConfig, OverloadProtection
 from serving.gateways import GatewayKind, GatewaySpec
 from serving.http import HttpError, HttpRequest, HttpServer, SseStream, send_json, send_text
 from serving.replay import LAG_KEY, LAG_SINCE_PARAM, TIME_SCALE_KEY
+from serving.sglang_plugin.wire import INTERNAL_STATE_KEY
 
 Role = Literal["prefill", "decode"]
 
@@ -474,6 +475,8 @@ class PDWorker:
         self.aborted_total = 0
         self._throughput_mark: tuple[float, int] = (0.0, 0)
         self.gen_throughput = 0.0
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        """The generation handlers running, by request id (``/abort_request`` cancels them)."""
 
     @property
     def name(self) -> str:
@@ -530,6 +533,9 @@ class PDWorker:
                 else:
                     await send_json(writer, status, payload)
                 return
+        if path == "/abort_request" and method == "POST":
+            await self._abort_request(request.json(), writer)
+            return
         if path == "/flush_cache" and method in ("POST", "GET"):
             if self.cluster.live.flush_cache(self.role, self.idx):
                 await send_text(writer, 200, "Cache flushed.\n")
@@ -566,6 +572,21 @@ class PDWorker:
         if path == "/metrics":
             return 200, self.metrics_text()
         return None
+
+    async def _abort_request(self, body: Any, writer: asyncio.StreamWriter) -> None:
+        """SGLang's ``POST /abort_request`` (``{"rid": ..., "abort_all": false}``): the named request's
+        leg stops now (a leg still waiting for its partner leaves its room; a request already in the
+        simulator keeps running there, unobserved, as a real worker's would until its next
+        scheduler step)."""
+        if not isinstance(body, dict):
+            raise HttpError(400, "request body must be a JSON object")
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        if not abort_all and not isinstance(rid, str):
+            raise HttpError(400, "field 'rid' must be a string (or abort_all true)")
+        tasks = list(self._tasks.values()) if abort_all else [t for t in [self._tasks.get(str(rid))] if t]
+        for task in tasks:
+            task.cancel()
+        await send_json(writer, 200, {"aborted": len(tasks)})
 
     # ---------------------------------------------------------------- reports
     def load(self) -> WorkerLoad:
@@ -606,6 +627,9 @@ class PDWorker:
             LAG_KEY: c.live.lag_report(self.role, self.idx, lag_since_unix_s),
             "internal_states": [{"last_gen_throughput": self.gen_throughput}],
         }
+        if self.role == "decode":  # what the Crossflow plugin adds on a real decode worker (wire.py)
+            state = c.live.node_state(self.idx)
+            info["internal_states"][0][INTERNAL_STATE_KEY] = {"node_state": state.to_dict()}
         if self.bootstrap is not None:
             info["disaggregation_bootstrap_port"] = self.bootstrap.port
         return info
@@ -781,6 +805,19 @@ class PDWorker:
         except HttpError as exc:
             await send_json(writer, exc.status, {"error": {"message": exc.message, "code": exc.status}})
             return
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks[gen.rid] = task
+        try:
+            await self._run_generation(gen, writer, cfg)
+        finally:
+            if self._tasks.get(gen.rid) is task:
+                del self._tasks[gen.rid]
+
+    async def _run_generation(
+        self, gen: Generation, writer: asyncio.StreamWriter, cfg: ClusterConfig
+    ) -> None:
+        live = self.cluster.live
         stream = SseStream(writer) if gen.stream else None
         if stream is not None:
             await stream.start()

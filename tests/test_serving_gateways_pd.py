@@ -177,8 +177,8 @@ def test_serve_command_runs_the_cluster_and_smg_and_stops_on_ctrl_c(
 def test_serve_command_refuses_what_it_cannot_do(capsys: pytest.CaptureFixture[str]) -> None:
     from train.cli import main
 
-    assert main(["serve", "--emulate", "2P4D", "--router", "crossflow"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert main(["serve", "--emulate", "2P4D", "--router", "crossflow", "--policy", "nope"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
     assert main(["serve", "--emulate", "2Q4D"]) == 2
     assert "2P4D" in capsys.readouterr().err
     assert main(["serve", "--emulate", "1P1D", "--time-scale", "0"]) == 2

@@ -471,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_bundle(sub)
     from train import compare as compare_cmd
-    from train import interference_cli, replay_cli, serve_cli, tune
+    from train import interference_cli, replay_cli, router_cli, serve_cli, tune
 
     compare_cmd.add_parser(sub)
     tune.add_parser(sub)
@@ -480,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     interference_cli.add_eval_parser(sub)
     replay_cli.add_parser(sub)
     serve_cli.add_parser(sub)
+    router_cli.add_parser(sub)
     try:
         from train import rl_cli
     except ImportError:  # the RL extra (torch, stable-baselines3) is not installed

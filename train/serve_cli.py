@@ -44,13 +44,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--router",
         choices=("none", "smg", "crossflow"),
         default="none",
-        help="gateway in front of the workers: smg (smg 1.13.0 in PD mode), crossflow (not built yet) or "
-        "none (default)",
+        help="gateway in front of the workers: smg (smg 1.13.0 in PD mode), crossflow (Crossflow's router "
+        "running --policy, with a lease agent per decode worker) or none (default)",
     )
     p.add_argument(
         "--router-policy",
         default="cache_aware",
         help="smg's --policy for both PD legs (default: cache_aware)",
+    )
+    p.add_argument(
+        "--control-port",
+        type=int,
+        default=0,
+        help="--router crossflow: the control plane's port on 127.0.0.1 (lease reports; default: a free one)",
     )
     p.add_argument("--gpu", default="H200", help="GPU of every worker (default: H200)")
     p.add_argument("--model", default="gpt-oss-120b", help="served model (default: gpt-oss-120b)")
@@ -74,10 +80,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.router == "crossflow":
-        raise ValueError(
-            "--router crossflow: Crossflow's own router is not built yet; use --router smg (or none)"
-        )
     if not (args.time_scale > 0):
         raise ValueError(f"--time-scale must be positive, got {args.time_scale}")
     if not 0 <= args.port <= 65535:
@@ -120,7 +122,29 @@ def _build(args: argparse.Namespace) -> Any:
         seed=args.seed,
     )
     cluster = EmulatedCluster(live, port=first)
-    return point, cluster
+    router_parts = None
+    if args.router == "crossflow":
+        router_parts = _router_parts(args.policy, config, cost_model)
+    return point, cluster, router_parts
+
+
+def _router_parts(policy: str, config: Any, cost_model: Any) -> dict[str, Any]:
+    """The router's own scheduler (its own ledger, fed by the lease agents), its queue estimator and
+    the served policy's identity. A policy is named from the catalog; a policy bundle (a file or a W&B
+    reference) would be loaded here, its name, version and hash served the same way."""
+    from importlib.metadata import version
+
+    from envs.estimator import ClusterEstimator
+    from policies.catalog import policy_spec, tuned_params
+    from serving.router import PolicyInfo
+    from train.experiment import build_scheduler
+
+    policy_spec(policy)
+    return {
+        "scheduler": build_scheduler(policy, config, cost_model),
+        "estimator": ClusterEstimator(config, cost_model),
+        "policy": PolicyInfo.from_catalog(policy, tuned_params(policy), version("crossflow")),
+    }
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -130,7 +154,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     _check(args)
     if args.router == "smg" and (reason := missing_reason("smg")) is not None:
         raise ValueError(f"--router smg: {reason}")
-    point, cluster = _build(args)
+    point, cluster, router_parts = _build(args)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -139,8 +163,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     gateway: Gateway | None = None
+    stack: Any = None
+    background = BackgroundCluster(cluster)
     try:
-        with BackgroundCluster(cluster) as running:
+        with background as running:
             cfg = running.live.config
             print(
                 f"emulated {point.shape} {point.model} / {point.gpu} TP{point.resolved_tp}, "
@@ -155,6 +181,11 @@ def _run_serve(args: argparse.Namespace) -> int:
                 gateway = Gateway(spec, stop_grace_s=10.0)
                 gateway.start()
                 print(f"  router     {gateway.url}  (smg 1.13.0, PD mode, pid {gateway.pid})", flush=True)
+            if router_parts is not None:
+                stack = _start_stack(background, running, router_parts, args)
+                router = stack.router
+                print(f"  router     {router.url}  (crossflow, policy {router.policy.name})", flush=True)
+                print(f"  control    {router.control_url}  ({len(stack.agents)} lease agents)", flush=True)
             print(f"serving {cfg.n_prefill + cfg.n_decode} workers; Ctrl-C stops", flush=True)
             stop.wait(timeout=args.run_s)
             print("stopping", flush=True)
@@ -162,11 +193,17 @@ def _run_serve(args: argparse.Namespace) -> int:
                 code = gateway.stop()
                 print(f"  router stopped (exit status {code})", flush=True)
                 gateway = None
+            if stack is not None:
+                _run_on(background, stack.stop())
+                print(f"  router stopped ({_decisions(stack.router)})", flush=True)
+                stack = None
             served = running.live.sim.counters
             reports = running.lag_reports()
     finally:
         if gateway is not None:
             gateway.stop()
+        if stack is not None and background.loop.is_running():
+            _run_on(background, stack.stop())
         for s, handler in previous.items():
             signal.signal(s, handler)
     wall_s = time.monotonic() - started
@@ -183,3 +220,33 @@ def _run_serve(args: argparse.Namespace) -> int:
         print("crossflow serve: the emulation did not keep its schedule (see above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_on(background: Any, coro: Any) -> Any:
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(coro, background.loop).result(timeout=30)
+
+
+def _start_stack(background: Any, cluster: Any, parts: dict[str, Any], args: argparse.Namespace) -> Any:
+    import os
+
+    from serving.stack import CrossflowStack
+
+    stack = CrossflowStack(
+        cluster,
+        port=args.port,
+        control_port=args.control_port,
+        control_token=os.environ.get("CROSSFLOW_CONTROL_TOKEN") or None,
+        seed=args.seed,
+        **parts,
+    )
+    _run_on(background, stack.start())
+    return stack
+
+
+def _decisions(router: Any) -> str:
+    counts: dict[str, float] = {}
+    for (path, _), n in router.m_decisions.values.items():
+        counts[path] = counts.get(path, 0.0) + n
+    return ", ".join(f"{p} {int(n)}" for p, n in sorted(counts.items())) or "no path decisions"

@@ -1,0 +1,1052 @@
+"""Crossflow's PD router: SGLang's PD protocol in front of prefill and decode workers, and the lease
+path chosen by the same ``policies/`` code the simulator runs.
+
+One asyncio HTTP server (``serving.http``) on loopback serves SGLang's ``POST /generate`` and OpenAI's
+``POST /v1/completions`` and ``/v1/chat/completions``, streamed (server-sent events) or not. Per
+request:
+
+1. **Validation.** The body is read with the workers' own parser (``pd_cluster.parse_generation``) and
+   checked against the model's context window: a malformed body, a field of the wrong type or an
+   oversize prompt is answered with an SGLang-style 400 naming the field and never reaches a worker.
+2. **Picks.** The prefill and decode workers are chosen by ``policies.routing`` (smg 1.13.0's
+   ``cache_aware`` by default, with its overload protection from a ``/v1/loads`` poll every
+   ``load_monitor_interval_s``), against the router's approximate prefix trees (chained page hashes
+   of the token ids, ``envs.live.PrefixResolver``'s hashing) and in-flight counts.
+3. **Path.** With a scheduler (``policies.ClusterScheduler``, built by ``policies.catalog``), its
+   ``choose_path`` decides from a ``PathQuery`` filled as the simulator fills it: the prefill pick's
+   cached tokens, the uncomputed prefill tokens the router has in flight to that worker (timed by
+   the cluster estimator as the queue wait), the decode trees' matches and the router's KV view.
+4. **Normal path: dual dispatch.** The body goes to the prefill worker (non-streamed) and the decode
+   worker with ``bootstrap_host`` / ``bootstrap_port`` (the prefill worker's bootstrap server) and a
+   fresh 63-bit ``bootstrap_room``; the decode leg's answer is relayed. When one leg fails at the
+   transport level (connection refused or cut), the other is cancelled and aborted on its worker
+   (SGLang's ``POST /abort_request``), so a decode leg never waits for a prefill that is gone.
+5. **Borrowed path.** The body goes to the lending decode worker alone with ``do_local_prefill: true``
+   and the fallback prefill worker's bootstrap fields. The worker re-checks its own lease on arrival
+   and may refuse (503, or an abort event before any token): the router then sends the request on
+   the normal path with a fresh room (a *fallback*).
+6. **Retries.** A leg answered 408, 429 or 5xx (or cut) before the first token is sent again after
+   smg's backoff, with a fresh room, avoiding the workers that failed it; each worker has a circuit
+   breaker and a periodic health check (``serving.resilience``, smg's defaults). After the first
+   token a failure ends the client's stream with an error event (no hang, no silent end).
+
+**Leases over the wire.** Lease agents (``serving.lease_agent``) report each decode node's
+``NodeState`` to the control plane (its own server, ``127.0.0.1`` by default, every request needs
+``Authorization: Bearer <token>``). Each control interval the router hands the states reported
+within the last 1.5 intervals to ``ClusterScheduler.on_control_interval``, which runs the node
+policy and publishes (or revokes) each node's lease in the router's ledger, exactly as the simulator
+does. A node whose agent stopped reporting is left out, so its lease is not refreshed and expires at
+its TTL: nothing more is borrowed there.
+
+**Time.** Against an emulated cluster (``time_scale`` wall seconds per emulated second) the
+scheduler's clock, the control interval, the load poll and the latency histograms run in emulated
+seconds; retries, breakers and health checks in wall seconds.
+
+``/metrics`` (Prometheus, ``crossflow:*``), ``/server_info`` (the policy served: name, version and
+hash; the time scale), ``/workers``, ``/health``, ``/v1/models`` are served too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from envs.live import PrefixResolver
+from policies.node_state import NodeState
+from policies.path import PathDecision, PathQuery
+from policies.routing import (
+    CacheAwareConfig,
+    OverloadProtection,
+    RoutingPolicy,
+    WorkerPool,
+    make_routing_policy,
+)
+from serving.http import (
+    HttpError,
+    HttpRequest,
+    HttpServer,
+    SseStream,
+    dumps,
+    loads,
+    send_bytes,
+    send_json,
+    send_text,
+)
+from serving.pd_cluster import CHARS_PER_TOKEN, Generation, parse_generation, render_abort
+from serving.prom import Registry
+from serving.replay import TIME_SCALE_KEY
+from serving.resilience import (
+    BreakerConfig,
+    CircuitBreaker,
+    Health,
+    HealthConfig,
+    RetryConfig,
+    is_retryable,
+)
+
+NODE_STATE_PATH = "/crossflow/v1/node_state"
+"""The control plane's lease-report route (``POST``, JSON ``{"node_id": j, "node_state": {...}}``)."""
+ROOM_BITS = 63
+BLOCK_TOKENS = 16
+"""The router's prefix trees hash token ids in blocks of at least this many tokens (whole KV pages):
+a match is known to within one block, and a long prompt costs one hash per block, not per token."""
+STATE_FRESH_INTERVALS = 1.5
+"""A node's reported state is used at a control interval when it is at most this many intervals old."""
+
+_APIS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_API_PATHS = {api: path for path, api in _APIS.items()}
+_JSON = {"content-type": "application/json"}
+
+
+class SchedulerLike(Protocol):
+    """What the router asks of ``policies.ClusterScheduler``."""
+
+    ledger: Any
+    control_interval_s: float
+
+    @property
+    def uses_gateway_decode_pick(self) -> bool: ...
+
+    def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> list[int]: ...
+
+    def choose_path(self, q: PathQuery, now_s: float) -> PathDecision: ...
+
+    def on_task_arrival(self, reservation_id: int, state: NodeState, now_s: float) -> str: ...
+
+    def on_task_started(self, reservation_id: int, now_s: float) -> bool: ...
+
+    def on_prefill_done(self, reservation_id: int) -> None: ...
+
+    def on_request_finished(self, reservation_id: int) -> None: ...
+
+    def on_fallback(self, reservation_id: int) -> None: ...
+
+
+class QueueEstimator(Protocol):
+    """Queue-wait timing (``envs.estimator.ClusterEstimator``)."""
+
+    def queue_wait_s(self, queued_tokens: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """The policy a router serves, as ``/server_info`` reports it (a bundle's name, version and
+    content hash; for a catalog policy its name, the package version and a hash of its parameters)."""
+
+    name: str
+    version: str = ""
+    sha256: str = ""
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_catalog(cls, name: str, params: Mapping[str, Any], version: str) -> PolicyInfo:
+        digest = hashlib.sha256(dumps({"name": name, "params": dict(params)})).hexdigest()
+        return cls(name, version, digest, dict(params))
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What the router serves and how (see the module docstring).
+
+    ``prefill``: ``(url, bootstrap_port)`` per prefill worker (as smg's ``--prefill URL PORT``);
+    ``decode``: decode worker URLs. ``context_window_tokens`` and ``vocab_size`` describe the model
+    (prompts longer than the window are refused here; text is tokenised as the emulated workers do).
+    """
+
+    prefill: tuple[tuple[str, int | None], ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    control_token: str | None = None
+    """None: a random token is made (``Router.control_token``)."""
+    model_name: str = "default"
+    context_window_tokens: int = 131_072
+    vocab_size: int = 32_000
+    page_tokens: int = 1
+    kv_capacity_tokens: int = 0
+    decode_prefix_cache: bool = False
+    prefill_routing: str = "cache_aware"
+    decode_routing: str = "cache_aware"
+    overload: OverloadProtection | None = field(default_factory=OverloadProtection)
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    time_scale: float = 1.0
+    """Wall seconds per emulated second of the workers (1: real workers)."""
+    request_timeout_s: float = 3600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("RouterConfig needs at least one prefill and one decode worker")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ValueError(f"RouterConfig.time_scale must be positive, got {self.time_scale}")
+        if self.page_tokens < 1 or self.context_window_tokens < 2:
+            raise ValueError("RouterConfig: page_tokens >= 1 and context_window_tokens >= 2")
+
+
+@dataclass
+class Worker:
+    """One upstream worker as the router sees it."""
+
+    role: Literal["prefill", "decode"]
+    idx: int
+    url: str
+    bootstrap_port: int | None
+    breaker: CircuitBreaker
+    health: Health
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.idx}"
+
+    @property
+    def available(self) -> bool:
+        return self.health.healthy and self.breaker.allows()
+
+
+class PageTrees:
+    """The router's approximate prefix tree per worker: the chained page hashes it sent there (a
+    worker holds a request's prefix as far as its leading hashes were sent to it), least recently
+    used pages dropped beyond ``max_pages`` per worker."""
+
+    def __init__(self, n_workers: int, page_tokens: int, max_pages: int) -> None:
+        self.page_tokens = page_tokens
+        self.max_pages = max(1, max_pages)
+        self.trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n_workers)]
+
+    def match_tokens(self, worker: int, hashes: Sequence[int], input_tokens: int) -> int:
+        tree, n = self.trees[worker], 0
+        for h in hashes:
+            if h not in tree:
+                break
+            n += 1
+        return min(n * self.page_tokens, input_tokens)
+
+    def matches(self, hashes: Sequence[int], input_tokens: int, eligible: Sequence[int]) -> dict[int, int]:
+        return {i: m for i in eligible if (m := self.match_tokens(i, hashes, input_tokens)) > 0}
+
+    def insert(self, worker: int, hashes: Sequence[int]) -> None:
+        tree = self.trees[worker]
+        for h in hashes:
+            tree[h] = None
+            tree.move_to_end(h)
+        while len(tree) > self.max_pages:
+            tree.popitem(last=False)
+
+
+class PrefillQueue:
+    """The router's estimate of one prefill worker's uncomputed queue: requests in dispatch order,
+    each expected done when the work ahead of it and its own prefill (the estimator's time) are;
+    an entry leaves at that time or when the worker answers, whichever comes first. It stands for
+    what the simulator's path query reads from the worker itself (its queued uncomputed tokens)."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[int, tuple[float, float, int]] = OrderedDict()
+        """key -> (expected start, expected end, tokens)."""
+        self._tail_s = 0.0
+        self._next = 0
+
+    def add(self, tokens: int, duration_s: float, now_s: float) -> int:
+        """Count ``tokens`` of prefill taking ``duration_s`` alone; the entry's key (for ``remove``)."""
+        self._drop(now_s)
+        start_s = max(now_s, self._tail_s)
+        self._tail_s = start_s + duration_s
+        self._next += 1
+        self._entries[self._next] = (start_s, self._tail_s, tokens)
+        return self._next
+
+    def remove(self, key: int) -> None:
+        self._entries.pop(key, None)
+
+    def _drop(self, now_s: float) -> None:
+        while self._entries:
+            key, (_, done_s, _) = next(iter(self._entries.items()))
+            if done_s > now_s:
+                break
+            del self._entries[key]
+
+    def tokens(self, now_s: float) -> int:
+        """Uncomputed tokens expected still queued at ``now_s`` (one being computed counts the share
+        of it not yet done)."""
+        self._drop(now_s)
+        total = 0.0
+        for start_s, done_s, tokens in self._entries.values():
+            if start_s >= now_s or done_s <= start_s:
+                total += tokens
+            else:
+                total += tokens * (done_s - now_s) / (done_s - start_s)
+        return int(total)
+
+
+class LegFailed(Exception):
+    """A leg ended before its first token: ``status`` (0: transport), whether it may be retried, and
+    the worker to blame (None: the request itself)."""
+
+    def __init__(self, status: int, message: str, worker: Worker | None, *, transport: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.worker, self.transport = status, message, worker, transport
+
+    @property
+    def retryable(self) -> bool:
+        return self.transport or is_retryable(self.status)
+
+
+@dataclass
+class _Flight:
+    """One client request in flight (what the router's views count)."""
+
+    request_id: int
+    gen: Generation
+    hashes: list[int]
+    prefill: Worker | None = None
+    decode: Worker | None = None
+    prefill_entry: int | None = None
+    """Its entry in its prefill worker's ``PrefillQueue`` while counted there."""
+
+
+def _sse_data(line: str) -> str | None:
+    return line[6:] if line.startswith("data: ") else (line[5:] if line.startswith("data:") else None)
+
+
+def _event_error(event: Any) -> tuple[int, str] | None:
+    """``(status, message)`` when a streamed event (or a non-streamed answer) is SGLang's abort or an
+    error object; None for a normal event."""
+    if not isinstance(event, dict):
+        return None
+    err = event.get("error")
+    if isinstance(err, dict):
+        code = err.get("code")
+        return (int(code) if isinstance(code, int) else 500, str(err.get("message", "error")))
+    if isinstance(err, str):
+        return 500, err
+    reason = (event.get("meta_info") or {}).get("finish_reason")
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        code = reason.get("status_code")
+        return (int(code) if isinstance(code, int) else 500, str(reason.get("message", "aborted")))
+    return None
+
+
+def _event_tokens(event: Any) -> int | None:
+    """Completion tokens a ``/generate`` event reports so far (None on the OpenAI routes)."""
+    if isinstance(event, dict):
+        meta = event.get("meta_info")
+        if isinstance(meta, dict) and isinstance(meta.get("completion_tokens"), int):
+            return int(meta["completion_tokens"])
+    return None
+
+
+class Router:
+    """The router (see the module docstring). ``await start()``; ``await stop()``."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        scheduler: SchedulerLike | None = None,
+        estimator: QueueEstimator | None = None,
+        policy: PolicyInfo | None = None,
+    ) -> None:
+        if scheduler is not None and estimator is None:
+            raise ValueError("a router with a scheduler needs the cluster estimator (queue-wait timing)")
+        self.config = config
+        self.scheduler = scheduler
+        self.estimator = estimator
+        self.policy = policy or PolicyInfo("static")
+        self.control_token = config.control_token or secrets.token_urlsafe(24)
+        self.prefill = [
+            Worker("prefill", i, url.rstrip("/"), port, CircuitBreaker(config.breaker), Health(config.health))
+            for i, (url, port) in enumerate(config.prefill)
+        ]
+        self.decode = [
+            Worker("decode", j, url.rstrip("/"), None, CircuitBreaker(config.breaker), Health(config.health))
+            for j, url in enumerate(config.decode)
+        ]
+        self.prefill_pool, self.decode_pool = WorkerPool(len(self.prefill)), WorkerPool(len(self.decode))
+        self._prefill_router: RoutingPolicy = make_routing_policy(config.prefill_routing, config.cache_aware)
+        self._decode_router: RoutingPolicy = make_routing_policy(config.decode_routing, config.cache_aware)
+        block = -(-BLOCK_TOKENS // config.page_tokens) * config.page_tokens
+        max_pages = config.cache_aware.max_tree_size // (CHARS_PER_TOKEN * block)
+        self._prefill_trees = PageTrees(len(self.prefill), block, max_pages)
+        self._decode_trees = PageTrees(len(self.decode), block, max_pages)
+        self._hasher = PrefixResolver(block)
+        self._prefill_queues = [PrefillQueue() for _ in self.prefill]
+        self._decode_kv = [0] * len(self.decode)
+        self._overloaded: dict[str, list[bool]] = {
+            "prefill": [False] * len(self.prefill),
+            "decode": [False] * len(self.decode),
+        }
+        self._rng = np.random.default_rng(config.seed)
+        self._retry_rng = np.random.default_rng(config.seed + 1)
+        self._rooms = np.random.default_rng(config.seed + 2)
+        self._next_id = 0
+        self._reports: dict[int, tuple[NodeState, float]] = {}
+        self._reservation_nodes: dict[int, int] = {}
+        """Active borrow reservations -> their node (to label revocations)."""
+        self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
+        self.control = HttpServer(self._control_route, config.control_host, config.control_port)
+        self.client: httpx.AsyncClient | None = None
+        self._t0 = time.perf_counter()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics()
+
+    # ---------------------------------------------------------------- life cycle
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    @property
+    def control_url(self) -> str:
+        return self.control.url
+
+    def now_s(self) -> float:
+        """The scheduler's clock: emulated seconds since the router started."""
+        return (time.perf_counter() - self._t0) / self.config.time_scale
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(self.config.request_timeout_s, connect=5.0)
+        self.client = httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
+        self._t0 = time.perf_counter()
+        await self.http.start()
+        await self.control.start()
+        loops = [self._health_loop()]
+        if self.config.overload is not None:
+            loops.append(self._load_loop(self.config.overload))
+        if self.scheduler is not None:
+            loops.append(self._control_loop(self.scheduler))
+        self._tasks = [asyncio.create_task(c) for c in loops]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.http.stop()
+        await self.control.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # ---------------------------------------------------------------- metrics
+    def _metrics(self) -> None:
+        r = self.registry = Registry()
+        self.m_requests = r.counter(
+            "crossflow:requests_total", "Client requests answered.", ("api", "status")
+        )
+        self.m_decisions = r.counter(
+            "crossflow:path_decisions_total", "Path decisions by path and reason code.", ("path", "reason")
+        )
+        self.m_fallbacks = r.counter(
+            "crossflow:fallbacks_total", "Borrowed requests sent back to the normal path.", ("node", "cause")
+        )
+        self.m_completed = r.counter(
+            "crossflow:requests_completed_total",
+            "Requests answered in full, by the path they finished on.",
+            ("path",),
+        )
+        self.m_retries = r.counter("crossflow:retries_total", "Dispatches sent again.", ("cause",))
+        self.m_revocations = r.counter(
+            "crossflow:lease_revocations_total", "Reservations revoked by a lease update.", ("node",)
+        )
+        self.m_reports = r.counter(
+            "crossflow:lease_reports_total", "Node states reported by lease agents.", ("node",)
+        )
+        self.m_borrowed_tokens = r.counter(
+            "crossflow:lease_borrowed_prefill_tokens_total",
+            "Prefill tokens reserved by borrowed requests that started on a lease.",
+            ("node",),
+        )
+        r.gauge("crossflow:lease_budget", "The node's current lease (0 once expired).", ("node", "budget"),
+                source=self._lease_budgets)  # fmt: skip
+        r.gauge(
+            "crossflow:lease_utilisation",
+            "Prefill tokens borrowed over prefill tokens granted by the node's leases so far.",
+            ("node",),
+            source=self._lease_utilisation,
+        )
+        r.gauge(
+            "crossflow:worker_available",
+            "1 when healthy and its breaker lets requests through.",
+            ("worker",),
+            source=lambda: {(w.name,): float(w.available) for w in self.prefill + self.decode},
+        )
+        self.m_ttft = r.histogram(
+            "crossflow:time_to_first_token_seconds", "TTFT by path (emulated s).", ("path",)
+        )
+        self.m_itl = r.histogram(
+            "crossflow:inter_token_latency_seconds", "ITL by path (emulated s).", ("path",)
+        )
+
+    def _lease_budgets(self) -> dict[tuple[str, ...], float]:
+        if self.scheduler is None:
+            return {}
+        ledger, now = self.scheduler.ledger, self.now_s()
+        out: dict[tuple[str, ...], float] = {}
+        for node in ledger.node_ids():
+            lease = ledger.lease(node)
+            live = lease.is_live(now)
+            for name, value in lease.budgets.to_dict().items():
+                out[(str(node), name)] = float(value) if live else 0.0
+        return out
+
+    def _lease_utilisation(self) -> dict[tuple[str, ...], float]:
+        if self.scheduler is None:
+            return {}
+        ledger, now = self.scheduler.ledger, self.now_s()
+        out: dict[tuple[str, ...], float] = {}
+        for node in ledger.node_ids():
+            granted = ledger.granted_prefill_tokens(node, now)
+            out[(str(node),)] = self.m_borrowed_tokens.get(node) / granted if granted > 0 else 0.0
+        return out
+
+    # ---------------------------------------------------------------- background loops
+    async def _health_loop(self) -> None:
+        cfg = self.config.health
+        if not cfg.enabled:
+            return
+        assert self.client is not None
+        while True:
+            for w in self.prefill + self.decode:
+                try:
+                    resp = await self.client.get(w.url + cfg.endpoint, timeout=cfg.timeout_s)
+                    ok = resp.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                w.health.record(ok)
+            self._refresh_flags()
+            await asyncio.sleep(cfg.interval_s)
+
+    async def _load_loop(self, rule: OverloadProtection) -> None:
+        """smg's load monitor: every ``load_monitor_interval_s`` (emulated), each worker's
+        ``/v1/loads`` sets its overload flag."""
+        assert self.client is not None
+        while True:
+            for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
+                flags = []
+                for w in workers:
+                    try:
+                        resp = await self.client.get(
+                            w.url + "/v1/loads", params={"include": "core"}, timeout=5.0
+                        )
+                        snap = resp.json()["loads"][0]
+                        flags.append(
+                            rule.is_overloaded(int(snap["num_waiting_reqs"]), float(snap["token_usage"]))
+                        )
+                    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                        flags.append(self._overloaded[role][w.idx])
+                self._overloaded[role] = flags
+            self._refresh_flags()
+            # at least 1 s of wall time, as smg's whole-second flag allows (gateway_timer_args)
+            await asyncio.sleep(max(1.0, rule.load_monitor_interval_s * self.config.time_scale))
+
+    def _refresh_flags(self) -> None:
+        """Pools' candidate flags: overloaded, unhealthy or breaker-open workers are left out."""
+        for pool, workers, role in (
+            (self.prefill_pool, self.prefill, "prefill"),
+            (self.decode_pool, self.decode, "decode"),
+        ):
+            pool.set_overloaded([self._overloaded[role][w.idx] or not w.available for w in workers])
+
+    async def _control_loop(self, scheduler: SchedulerLike) -> None:
+        interval_s = scheduler.control_interval_s
+        while True:
+            await asyncio.sleep(interval_s * self.config.time_scale)
+            now = self.now_s()
+            fresh = [
+                replace(state, time_s=now)
+                for state, at_s in self._reports.values()
+                if now - at_s <= STATE_FRESH_INTERVALS * interval_s
+            ]
+            revoked = scheduler.on_control_interval(now, sorted(fresh, key=lambda s: s.node_id))
+            for rid in revoked or ():
+                with contextlib.suppress(KeyError):
+                    self.m_revocations.inc(self._reservation_nodes.pop(rid))
+
+    # ---------------------------------------------------------------- control plane
+    async def _control_route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
+        if request.headers.get("authorization") != f"Bearer {self.control_token}":
+            await send_json(
+                writer, 401, {"error": {"message": "control plane: bad or missing token", "code": 401}}
+            )
+            return
+        if request.method == "POST" and request.path == NODE_STATE_PATH:
+            body = request.json()
+            node = body.get("node_id") if isinstance(body, dict) else None
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self.decode):
+                raise HttpError(
+                    400, f"field 'node_id' must be a decode worker index 0..{len(self.decode) - 1}"
+                )
+            raw = body.get("node_state")
+            try:
+                state = NodeState(**{**raw, "node_id": node}) if isinstance(raw, dict) else None
+            except TypeError as exc:
+                raise HttpError(400, f"field 'node_state': {exc}") from None
+            if state is None:
+                raise HttpError(400, "field 'node_state' must be an object")
+            self._reports[node] = (state, self.now_s())
+            self.m_reports.inc(node)
+            lease = self.scheduler.ledger.lease(node) if self.scheduler is not None else None
+            answer = {
+                "lease": None if lease is None else {**lease.budgets.to_dict(), "expires_s": lease.expires_s}
+            }
+            await send_json(writer, 200, answer)
+            return
+        await send_json(
+            writer, 404, {"error": {"message": f"no route {request.method} {request.path}", "code": 404}}
+        )
+
+    # ---------------------------------------------------------------- data plane
+    async def _route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
+        path, method = request.path, request.method
+        api = _APIS.get(path)
+        if api is not None and method == "POST":
+            await self._generate(api, request, writer)
+        elif method == "GET" and path in ("/health", "/liveness", "/readiness"):
+            await send_text(writer, 200, "OK")
+        elif method == "GET" and path == "/metrics":
+            await send_text(
+                writer, 200, self.registry.exposition(), "text/plain; version=0.0.4; charset=utf-8"
+            )
+        elif method == "GET" and path in ("/server_info", "/get_server_info"):
+            await send_json(writer, 200, self.server_info())
+        elif method == "GET" and path == "/workers":
+            await send_json(writer, 200, self.workers_listing())
+        elif method == "GET" and path == "/v1/models":
+            model = {"id": self.config.model_name, "object": "model", "owned_by": "crossflow"}
+            await send_json(writer, 200, {"object": "list", "data": [model]})
+        else:
+            await send_json(writer, 404, {"error": {"message": f"no route {method} {path}", "code": 404}})
+
+    def server_info(self) -> dict[str, Any]:
+        p = self.policy
+        return {
+            "crossflow_router": {
+                "policy": {
+                    "name": p.name,
+                    "version": p.version,
+                    "sha256": p.sha256,
+                    "params": dict(p.params),
+                },
+                "prefill": [w.url for w in self.prefill],
+                "decode": [w.url for w in self.decode],
+            },
+            TIME_SCALE_KEY: self.config.time_scale,
+        }
+
+    def workers_listing(self) -> dict[str, Any]:
+        return {
+            "workers": [
+                {
+                    "url": w.url,
+                    "worker_type": w.role,
+                    "is_healthy": w.available,
+                    "bootstrap_port": w.bootstrap_port,
+                }
+                for w in self.prefill + self.decode
+            ]
+        }
+
+    async def _generate(self, api: str, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
+        cfg = self.config
+        try:
+            body = request.json()
+            gen = parse_generation(api, body, cfg.model_name, cfg.vocab_size)
+            n_in = len(gen.token_ids)
+            if n_in + gen.max_new_tokens > cfg.context_window_tokens:
+                raise HttpError(
+                    400,
+                    f"field 'max_new_tokens': {n_in} input + {gen.max_new_tokens} output tokens exceed the "
+                    f"model's context length of {cfg.context_window_tokens} tokens",
+                )
+        except HttpError as exc:
+            self.m_requests.inc(api, exc.status)
+            await send_json(writer, exc.status, {"error": {"message": exc.message, "code": exc.status}})
+            return
+        self._next_id += 1
+        flight = _Flight(self._next_id, gen, self._hasher.page_hashes(gen.token_ids))
+        client = _ClientSide(writer, gen.stream)
+        try:
+            status = await self._serve(flight, body, client)
+        except (ConnectionError, asyncio.CancelledError):
+            self.m_requests.inc(api, "client_gone")
+            raise
+        except Exception as exc:  # a router bug: answer it rather than cutting the connection
+            status = 500
+            await client.fail(gen, 500, f"router error: {type(exc).__name__}: {exc}")
+        self.m_requests.inc(api, status)
+
+    async def _serve(self, flight: _Flight, body: dict[str, Any], client: _ClientSide) -> int:
+        """Choose, dispatch, fall back and retry until an answer reached the client; its status."""
+        avoid: set[str] = set()
+        decision = self._choose(flight, avoid)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if decision is not None and decision.path == "borrow":
+                    return await self._borrowed(flight, body, client, decision)
+                return await self._normal(flight, body, client, avoid)
+            except LegFailed as exc:
+                if client.started:
+                    await client.fail(flight.gen, exc.status or 502, exc.message)
+                    return exc.status or 502
+                if decision is not None and decision.path == "borrow":  # fall back: normal path now
+                    self.m_fallbacks.inc(str(decision.node_id), "refused" if exc.status == 503 else "failed")
+                    decision = None
+                    continue
+                if exc.worker is not None:
+                    avoid.add(exc.worker.name)
+                if not exc.retryable or attempt >= self.config.retry.max_attempts:
+                    await client.fail(flight.gen, exc.status or 502, exc.message)
+                    return exc.status or 502
+                self.m_retries.inc("transport" if exc.transport else str(exc.status))
+                await asyncio.sleep(self.config.retry.backoff_s(attempt, self._retry_rng))
+
+    # ---------------------------------------------------------------- decisions
+    def _pick(self, role: Literal["prefill", "decode"], flight: _Flight, avoid: set[str]) -> Worker:
+        workers = self.prefill if role == "prefill" else self.decode
+        pool = self.prefill_pool if role == "prefill" else self.decode_pool
+        rule = self._prefill_router if role == "prefill" else self._decode_router
+        trees = self._prefill_trees if role == "prefill" else self._decode_trees
+        n_in = len(flight.gen.token_ids)
+        matches = trees.matches(flight.hashes, n_in, pool.candidates()) if rule.uses_prefix_match else {}
+        idx = rule.choose(pool, n_in, matches, self._rng, lambda i: len(trees.trees[i]) * trees.page_tokens)
+        chosen = workers[idx]
+        if chosen.available and chosen.name not in avoid:
+            return chosen
+        usable = [w.idx for w in workers if w.available and w.name not in avoid]
+        if not usable:
+            usable = [w.idx for w in workers if w.name not in avoid] or [w.idx for w in workers]
+        return workers[pool.least_loaded(usable)]
+
+    def _choose(self, flight: _Flight, avoid: set[str]) -> PathDecision | None:
+        """The scheduler's path decision (None without a scheduler: the normal path)."""
+        if self.scheduler is None:
+            return None
+        gen, n_in = flight.gen, len(flight.gen.token_ids)
+        p = self._pick("prefill", flight, avoid)
+        cached = min(self._prefill_trees.match_tokens(p.idx, flight.hashes, n_in), n_in - 1)
+        d = self._pick("decode", flight, avoid) if self.scheduler.uses_gateway_decode_pick else None
+        queued = self._prefill_queues[p.idx].tokens(self.now_s())
+        decode_cached: Mapping[int, int] = {}
+        if self.config.decode_prefix_cache:
+            decode_cached = self._decode_trees.matches(flight.hashes, n_in, range(len(self.decode)))
+        query = PathQuery(
+            request_id=flight.request_id,
+            session_id=-1,
+            input_tokens=n_in,
+            expected_output_tokens=gen.max_new_tokens,
+            normal_uncached_tokens=n_in - cached,
+            normal_queue_wait_s=self.estimator.queue_wait_s(queued) if self.estimator else 0.0,
+            normal_prefill_worker=p.idx,
+            decode_cached_tokens=decode_cached,
+            prefill_cached_tokens=cached,
+            normal_decode_worker=None if d is None else d.idx,
+            normal_queued_tokens=queued,
+            decode_kv_load_tokens=dict(enumerate(self._decode_kv)),
+            decode_kv_capacity_tokens=self.config.kv_capacity_tokens,
+        )
+        decision = self.scheduler.choose_path(query, self.now_s())
+        self.m_decisions.inc(decision.path, decision.code.name.lower())
+        if decision.path == "borrow":
+            assert decision.reservation_id is not None and decision.node_id is not None
+            self._reservation_nodes[decision.reservation_id] = decision.node_id
+        flight.prefill, flight.decode = p, d
+        return decision if decision.path == "borrow" else None
+
+    # ---------------------------------------------------------------- the two paths
+    def _room_body(self, body: dict[str, Any], p: Worker, rid: str) -> dict[str, Any]:
+        room = int(self._rooms.integers(0, 2**ROOM_BITS - 1))
+        return {
+            **body,
+            "rid": rid,
+            "bootstrap_host": p.host,
+            "bootstrap_port": p.bootstrap_port,
+            "bootstrap_room": room,
+        }
+
+    def _enter(self, flight: _Flight, d: Worker, p: Worker | None) -> None:
+        gen = flight.gen
+        self.decode_pool.dispatched(d.idx)
+        self._decode_trees.insert(d.idx, flight.hashes)
+        self._decode_kv[d.idx] += len(gen.token_ids) + gen.max_new_tokens
+        if p is not None:
+            self.prefill_pool.dispatched(p.idx)
+            n_in = len(gen.token_ids)
+            cached = min(self._prefill_trees.match_tokens(p.idx, flight.hashes, n_in), n_in - 1)
+            duration_s = self.estimator.queue_wait_s(n_in - cached) if self.estimator is not None else 0.0
+            flight.prefill_entry = self._prefill_queues[p.idx].add(n_in - cached, duration_s, self.now_s())
+            self._prefill_trees.insert(p.idx, flight.hashes)
+
+    def _prefill_left(self, flight: _Flight, p: Worker) -> None:
+        """The prefill worker is done with the request (answered, failed, or its first token came)."""
+        if flight.prefill_entry is not None:
+            self._prefill_queues[p.idx].remove(flight.prefill_entry)
+            flight.prefill_entry = None
+
+    def _leave(self, flight: _Flight, d: Worker) -> None:
+        gen = flight.gen
+        self.decode_pool.finished(d.idx)
+        self._decode_kv[d.idx] -= len(gen.token_ids) + gen.max_new_tokens
+
+    async def _normal(
+        self, flight: _Flight, body: dict[str, Any], client: _ClientSide, avoid: set[str]
+    ) -> int:
+        p = flight.prefill if flight.prefill is not None and flight.prefill.name not in avoid else None
+        p = p if p is not None and p.available else self._pick("prefill", flight, avoid)
+        d = flight.decode if flight.decode is not None and flight.decode.name not in avoid else None
+        d = d if d is not None and d.available else self._pick("decode", flight, avoid)
+        flight.prefill = flight.decode = None  # a retry picks again
+        rid = f"crossflow-{flight.request_id}-{secrets.token_hex(4)}"
+        leg_body = self._room_body(body, p, rid)
+        prefill_body = {k: v for k, v in leg_body.items() if k != "stream_options"}
+        prefill_body["stream"] = False
+        self._enter(flight, d, p)
+        prefill_task = asyncio.create_task(self._prefill_leg(p, prefill_body, flight.gen.api))
+        # the prefill pool counts the request until its prefill worker answered (policies.routing)
+        prefill_task.add_done_callback(lambda _: self.prefill_pool.finished(p.idx))
+        decode_task = asyncio.create_task(
+            self._relay(d, leg_body, client, flight, "normal", lambda: self._prefill_left(flight, p))
+        )
+        try:
+            done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task in done:
+                self._prefill_left(flight, p)
+                exc = prefill_task.exception()
+                if exc is not None and not (decode_task.done() or client.started):
+                    await self._cancel_leg(decode_task, d, rid)  # it would wait for a prefill that is gone
+                    raise exc
+            await asyncio.wait({decode_task})
+            if decode_task.exception() is not None and not prefill_task.done():
+                await self._cancel_leg(prefill_task, p, rid)  # the prefill leg has no decode partner
+            return await decode_task
+        finally:
+            self._prefill_left(flight, p)
+            self._leave(flight, d)
+            for task in (prefill_task, decode_task):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+
+    async def _cancel_leg(self, task: asyncio.Task[Any], w: Worker, rid: str) -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert self.client is not None
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.post(w.url + "/abort_request", json={"rid": rid}, timeout=5.0)
+
+    async def _prefill_leg(self, p: Worker, body: dict[str, Any], api: str) -> None:
+        assert self.client is not None
+        try:
+            resp = await self.client.post(p.url + _API_PATHS[api], content=dumps(body), headers=_JSON)
+        except httpx.HTTPError as exc:
+            p.breaker.record(False)
+            raise LegFailed(
+                0, f"prefill worker {p.url}: {type(exc).__name__}: {exc}", p, transport=True
+            ) from None
+        problem = (
+            _event_error(_json_or_none(resp.content))
+            if resp.status_code == 200
+            else (resp.status_code, resp.text[:500])
+        )
+        p.breaker.record(problem is None or not is_retryable(problem[0]))
+        if problem is not None:
+            raise LegFailed(problem[0], f"prefill worker {p.url}: {problem[1]}", p)
+
+    async def _borrowed(
+        self, flight: _Flight, body: dict[str, Any], client: _ClientSide, decision: PathDecision
+    ) -> int:
+        assert (
+            self.scheduler is not None
+            and decision.node_id is not None
+            and decision.reservation_id is not None
+        )
+        res, d = decision.reservation_id, self.decode[decision.node_id]
+        p = flight.prefill if flight.prefill is not None else self._pick("prefill", flight, set())
+        rid = f"crossflow-{flight.request_id}-{secrets.token_hex(4)}"
+        leg_body = {**self._room_body(body, p, rid), "do_local_prefill": True}
+        self._enter(flight, d, None)
+        started = False
+        reported = self._reports.get(d.idx)
+        if reported is not None:  # it reaches the node now: its next lease counts it as the node's work
+            self.scheduler.on_task_arrival(res, reported[0], self.now_s())
+
+        def first_token() -> None:
+            nonlocal started
+            started = True
+            now = self.now_s()
+            if self.scheduler is not None and self.scheduler.on_task_started(res, now):
+                self.m_borrowed_tokens.inc(
+                    d.idx, amount=float(self.scheduler.ledger.held_by(res).prefill_tokens)
+                )
+                self.scheduler.on_prefill_done(res)
+
+        try:
+            return await self._relay(d, leg_body, client, flight, "borrow", first_token)
+        finally:
+            self._leave(flight, d)
+            self._reservation_nodes.pop(res, None)
+            if not started:
+                flight.prefill = None  # the fallback picks its prefill worker again, as the simulator
+            if started:
+                with contextlib.suppress(KeyError, ValueError):
+                    if self.scheduler.ledger.status(res) in ("reserved", "committed"):
+                        self.scheduler.on_request_finished(res)
+            else:
+                self.scheduler.on_fallback(res)
+
+    @staticmethod
+    def _worker_fine(status: int, path: str) -> bool:
+        """Whether an error answer says nothing against the worker (its breaker counts a success): a
+        client error, or a lending node refusing borrowed work (503)."""
+        return not is_retryable(status) or (path == "borrow" and status == 503)
+
+    async def _relay(
+        self, d: Worker, body: dict[str, Any], client: _ClientSide, flight: _Flight, path: str, on_first: Any
+    ) -> int:
+        """Send ``body`` to decode worker ``d`` and relay its answer to the client; ``LegFailed``
+        before the first token (nothing was sent to the client then)."""
+        assert self.client is not None
+        api = flight.gen.api
+        url = d.url + _API_PATHS[api]
+        sent_s = time.perf_counter()
+        scale = self.config.time_scale
+        try:
+            request = self.client.build_request("POST", url, content=dumps(body), headers=_JSON)
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            d.breaker.record(False)
+            raise LegFailed(
+                0, f"decode worker {d.url}: {type(exc).__name__}: {exc}", d, transport=True
+            ) from None
+        try:
+            if resp.status_code != 200 or not flight.gen.stream:
+                whole = await resp.aread()
+                problem = (
+                    _event_error(_json_or_none(whole))
+                    if resp.status_code == 200
+                    else (resp.status_code, whole.decode(errors="replace")[:500])
+                )
+                if problem is not None:
+                    d.breaker.record(self._worker_fine(problem[0], path))
+                    raise LegFailed(problem[0], f"decode worker {d.url}: {problem[1]}", d)
+                d.breaker.record(True)
+                on_first()
+                self.m_ttft.observe((time.perf_counter() - sent_s) / scale, path)
+                await client.whole(whole)
+                self.m_completed.inc(path)
+                return 200
+            last_s, last_tokens, done = sent_s, 0, False
+            async for line in resp.aiter_lines():
+                data = _sse_data(line)
+                if data is None:
+                    continue
+                if data.strip() == "[DONE]":
+                    done = True
+                    break
+                event = loads(data)
+                problem = _event_error(event)
+                if problem is not None:
+                    if not client.started:
+                        d.breaker.record(self._worker_fine(problem[0], path))
+                        raise LegFailed(problem[0], f"decode worker {d.url}: {problem[1]}", d)
+                    await client.send(data)
+                    continue
+                now = time.perf_counter()
+                if not client.started:
+                    d.breaker.record(True)
+                    on_first()
+                    self.m_ttft.observe((now - sent_s) / scale, path)
+                    await client.start()
+                else:
+                    tokens = _event_tokens(event)
+                    k = max(1, (tokens - last_tokens) if tokens is not None else 1)
+                    for _ in range(k):
+                        self.m_itl.observe((now - last_s) / scale / k, path)
+                last_tokens = _event_tokens(event) or last_tokens
+                last_s = now
+                await client.send(data)
+            if not done:
+                raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+            await client.done()
+            self.m_completed.inc(path)
+            return 200
+        except httpx.HTTPError as exc:
+            d.breaker.record(False)
+            raise LegFailed(
+                0, f"decode worker {d.url}: {type(exc).__name__}: {exc}", d, transport=True
+            ) from None
+        finally:
+            await resp.aclose()
+
+
+def _json_or_none(data: bytes) -> Any:
+    try:
+        return loads(data)
+    except ValueError:
+        return None
+
+
+class _ClientSide:
+    """The client's end of one request: nothing is sent until the first token (or a final error)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, stream: bool) -> None:
+        self.writer = writer
+        self.stream = SseStream(writer) if stream else None
+        self.started = False
+
+    async def start(self) -> None:
+        self.started = True
+        if self.stream is not None:
+            await self.stream.start()
+
+    async def send(self, data: str) -> None:
+        assert self.stream is not None
+        await self.stream.send(data)
+
+    async def done(self) -> None:
+        assert self.stream is not None
+        await self.stream.done()
+
+    async def whole(self, data: bytes) -> None:
+        self.started = True
+        await send_bytes(self.writer, 200, data, "application/json")
+
+    async def fail(self, gen: Generation, status: int, message: str) -> None:
+        """An error answer: an HTTP error before anything was sent, else an error event and the end."""
+        if not self.started:
+            self.started = True
+            await send_json(self.writer, status, {"error": {"message": message, "code": status}})
+            return
+        if self.stream is not None:
+            with contextlib.suppress(ConnectionError):
+                await self.stream.send(render_abort(gen, status, message))
+                await self.stream.done()
+
+
+__all__ = [
+    "NODE_STATE_PATH",
+    "PageTrees",
+    "PolicyInfo",
+    "Router",
+    "RouterConfig",
+    "Worker",
+]

@@ -1,0 +1,106 @@
+"""Crossflow's router and its lease agents in front of an emulated PD cluster, on the cluster's loop.
+
+``CrossflowStack`` builds the router's configuration from the cluster (its workers, model, cache and
+routing settings, time scale), starts the router and one lease agent per decode worker reporting
+every control interval, and stops them again. The router's scheduler is its own (its own ledger,
+fed by the agents); the emulated workers' lease, which they re-check on arrival, is the live
+simulator's.
+
+    with BackgroundCluster(EmulatedCluster(live)) as cluster:
+        stack = CrossflowStack(cluster, scheduler=make_scheduler(...), estimator=...)
+        run_on(cluster_loop, stack.start())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from envs.cluster_config import ClusterConfig
+from policies.routing import OverloadProtection
+from serving.lease_agent import LeaseAgent
+from serving.pd_cluster import EmulatedCluster
+from serving.router import PolicyInfo, QueueEstimator, Router, RouterConfig, SchedulerLike
+
+
+def router_config_for(
+    config: ClusterConfig,
+    cost_model: Any,
+    prefill: Sequence[tuple[str, int | None]],
+    decode: Sequence[str],
+    **fields: Any,
+) -> RouterConfig:
+    """The router's configuration for workers serving ``config``'s model and settings (``cost_model``
+    gives the model's vocabulary and a worker's KV capacity); ``fields`` override."""
+    base: dict[str, Any] = {
+        "prefill": tuple(prefill),
+        "decode": tuple(decode),
+        "model_name": cost_model.model.name,
+        "context_window_tokens": config.context_window_tokens,
+        "vocab_size": cost_model.model.vocab,
+        "page_tokens": config.page_tokens,
+        "kv_capacity_tokens": cost_model.kv_capacity_tokens,
+        "decode_prefix_cache": config.decode_prefix_cache,
+        "prefill_routing": config.prefill_routing,
+        "decode_routing": config.decode_routing,
+        "overload": OverloadProtection() if config.router_overload_protection else None,
+    }
+    return RouterConfig(**{**base, **fields})
+
+
+def router_config(cluster: EmulatedCluster, **fields: Any) -> RouterConfig:
+    """The router's configuration for ``cluster``'s workers and model; ``fields`` override."""
+    prefill = [(w.url, w.bootstrap_port) for w in cluster.prefill]
+    fields = {"model_name": cluster.served_model_name, "time_scale": cluster.live.time_scale, **fields}
+    return router_config_for(cluster.live.config, cluster.live.cm, prefill, cluster.decode_urls, **fields)
+
+
+REPORTS_PER_INTERVAL = 4
+"""Lease agents report this many times per control interval, so the state the router's scheduler
+reads at its interval is at most a quarter of one old."""
+
+
+def start_lease_agents(router: Router, decode_urls: Sequence[str]) -> list[LeaseAgent]:
+    """One lease agent per decode worker, reporting to ``router`` ``REPORTS_PER_INTERVAL`` times per
+    control interval (none without a scheduler); started on the running loop."""
+    if router.scheduler is None:
+        return []
+    interval_wall_s = router.scheduler.control_interval_s * router.config.time_scale / REPORTS_PER_INTERVAL
+    agents = [
+        LeaseAgent(url, j, router.control_url, router.control_token, interval_wall_s)
+        for j, url in enumerate(decode_urls)
+    ]
+    for agent in agents:
+        agent.start()
+    return agents
+
+
+class CrossflowStack:
+    """The router and lease agents over a running ``cluster`` (start and stop them on its loop)."""
+
+    def __init__(
+        self,
+        cluster: EmulatedCluster,
+        *,
+        scheduler: SchedulerLike | None = None,
+        estimator: QueueEstimator | None = None,
+        policy: PolicyInfo | None = None,
+        **fields: Any,
+    ) -> None:
+        self.cluster = cluster
+        self.router = Router(
+            router_config(cluster, **fields), scheduler=scheduler, estimator=estimator, policy=policy
+        )
+        self.agents: list[LeaseAgent] = []
+
+    async def start(self) -> None:
+        await self.router.start()
+        self.agents = start_lease_agents(self.router, self.cluster.decode_urls)
+
+    async def stop(self) -> None:
+        for agent in self.agents:
+            await agent.stop()
+        await self.router.stop()
+
+
+__all__ = ["CrossflowStack", "router_config", "router_config_for", "start_lease_agents"]

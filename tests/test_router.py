@@ -1,0 +1,564 @@
+"""Crossflow's router (``serving.router``) over the emulated PD cluster: the three APIs on the normal
+path, refusals that never reach a worker, the borrowed path and its fallback, leases over the wire
+(the control plane's token, expiry when an agent stops), the faults (a decode worker or a prefill
+worker killed mid-request), and its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from envs.cluster_config import ClusterConfig  # noqa: E402
+from envs.cost_model import CostModel  # noqa: E402
+from envs.estimator import ClusterEstimator  # noqa: E402
+from envs.live import LiveCluster  # noqa: E402
+from policies.lease import LeaseBudgets  # noqa: E402
+from policies.ledger import LeaseLedger  # noqa: E402
+from policies.node_state import NodeState  # noqa: E402
+from policies.path import PathDecision, PathQuery, PathReason  # noqa: E402
+from serving.pd_cluster import BackgroundCluster, EmulatedCluster  # noqa: E402
+from serving.router import NODE_STATE_PATH, PageTrees, PrefillQueue  # noqa: E402
+from serving.stack import CrossflowStack  # noqa: E402
+from tests.test_serving_pd import _events  # noqa: E402
+from train.experiment import build_scheduler  # noqa: E402
+
+MODEL = ("H200", "gpt-oss-120b", 1)
+BORROW_TOKENS = 1000
+"""Requests of exactly this many input tokens are borrowed by ``BorrowMarked``."""
+
+
+class BorrowMarked:
+    """A router-side scheduler for tests: a standing lease on decode node 0, and every request of
+    ``BORROW_TOKENS`` input tokens borrowed on it (the rest take the normal path)."""
+
+    control_interval_s = 0.5
+    uses_gateway_decode_pick = False
+
+    def __init__(self) -> None:
+        self.ledger = LeaseLedger()
+        self.ledger.publish(0, LeaseBudgets(10**9, 10**9, 10**9, 10**9, 1000), 0.0, 1e9)
+        self.calls: list[str] = []
+
+    def on_control_interval(self, now_s: float, states: Any) -> list[int]:
+        return []
+
+    def choose_path(self, q: PathQuery, now_s: float) -> PathDecision:
+        if q.input_tokens != BORROW_TOKENS:
+            return PathDecision("normal", None, None, 0.0, None, "test", PathReason.NOT_CONGESTED)
+        demand = LeaseBudgets(q.input_tokens, q.input_tokens + q.expected_output_tokens, 0, 1, 1)
+        res = self.ledger.reserve(0, demand, now_s)
+        assert res is not None
+        return PathDecision("borrow", 0, res.reservation_id, 1.0, 0.5, "test", PathReason.BORROWED)
+
+    def on_task_arrival(self, reservation_id: int, state: Any, now_s: float) -> str:
+        return "run"
+
+    def on_task_started(self, reservation_id: int, now_s: float) -> bool:
+        self.calls.append("started")
+        return self.ledger.commit(reservation_id, now_s)
+
+    def on_prefill_done(self, reservation_id: int) -> None:
+        self.calls.append("prefill_done")
+
+    def on_request_finished(self, reservation_id: int) -> None:
+        self.calls.append("finished")
+        self.ledger.release(reservation_id)
+
+    def on_fallback(self, reservation_id: int) -> None:
+        self.calls.append("fallback")
+        self.ledger.release(reservation_id)
+
+
+@contextlib.contextmanager
+def _stack(
+    config: ClusterConfig, *, scale: float = 4.0, worker_scheduler: Any = None, **fields: Any
+) -> Iterator[tuple[BackgroundCluster, EmulatedCluster, CrossflowStack]]:
+    live = LiveCluster(config, cost_model=CostModel(*MODEL), time_scale=scale, scheduler=worker_scheduler)
+    background = BackgroundCluster(EmulatedCluster(live))
+    with background as cluster:
+        stack = CrossflowStack(cluster, **fields)
+        _on(background, stack.start())
+        try:
+            yield background, cluster, stack
+        finally:
+            _on(background, stack.stop())
+
+
+def _on(background: BackgroundCluster, coro: Any) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, background.loop).result(timeout=60)
+
+
+def _client() -> Any:
+    return httpx.Client(trust_env=False, timeout=60.0)
+
+
+def _requests(cluster: EmulatedCluster) -> list[int]:
+    return [w.requests_total for w in cluster.workers]
+
+
+# ---------------------------------------------------------------------------------------------------
+def test_page_trees_and_prefill_queue() -> None:
+    trees = PageTrees(2, page_tokens=4, max_pages=3)
+    trees.insert(0, [1, 2, 3])
+    assert trees.match_tokens(0, [1, 2, 9], 12) == 8 and trees.match_tokens(1, [1], 4) == 0
+    trees.insert(0, [7])  # least recently used page dropped
+    assert trees.match_tokens(0, [1, 2], 8) == 0 and trees.matches([2, 3], 8, [0, 1]) == {0: 8}
+    queue = PrefillQueue()
+    first = queue.add(100, 1.0, 0.0)
+    queue.add(50, 1.0, 0.0)  # starts after the first: done at 2.0
+    assert queue.tokens(0.0) == 150 and queue.tokens(0.5) == 100  # half of the first is done
+    assert queue.tokens(1.5) == 25 and queue.tokens(2.0) == 0
+    second = queue.add(10, 1.0, 3.0)
+    queue.remove(second)
+    queue.remove(first)  # gone already: no error
+    assert queue.tokens(3.0) == 0
+
+
+def test_normal_path_serves_the_three_apis_by_dual_dispatch() -> None:
+    config = ClusterConfig(n_prefill=2, n_decode=2)
+    with _stack(config) as (_, cluster, stack), _client() as c:
+        url = stack.router.url
+        gen = c.post(
+            f"{url}/generate",
+            json={"text": "hello " * 40, "sampling_params": {"max_new_tokens": 5}, "stream": True},
+        )
+        events = _events(gen.text)
+        assert gen.status_code == 200 and events[-1] == "[DONE]"
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == [1, 2, 3, 4, 5]
+        comp = c.post(f"{url}/v1/completions", json={"prompt": "a b c " * 30, "max_tokens": 3}).json()
+        assert comp["choices"][0]["text"] == " tok" * 3 and comp["usage"]["completion_tokens"] == 3
+        chat = c.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        chunks = _events(chat.text)
+        assert chunks[-1] == "[DONE]" and chunks[-2]["usage"]["completion_tokens"] == 2
+        # each request: one prefill leg and one decode leg, paired in the simulator
+        n_p = sum(w.requests_total for w in cluster.prefill)
+        n_d = sum(w.requests_total for w in cluster.decode)
+        assert n_p == n_d == 3 and len(cluster.live.sim.reqs) == 3
+        assert all(r.prefill_worker >= 0 for r in cluster.live.sim.reqs)
+        info = c.get(f"{url}/server_info").json()
+        assert info["crossflow_router"]["policy"]["name"] == "static" and info["crossflow_time_scale"] == 4.0
+        assert len(c.get(f"{url}/workers").json()["workers"]) == 4
+        metrics = c.get(f"{url}/metrics").text
+        assert 'crossflow:requests_completed_total{path="normal"} 3' in metrics
+        assert 'crossflow:time_to_first_token_seconds_count{path="normal"} 3' in metrics
+
+
+def test_bad_bodies_get_a_400_naming_the_field_and_never_reach_a_worker() -> None:
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    with _stack(config) as (_, cluster, stack), _client() as c:
+        url = stack.router.url
+        cases = [
+            (c.post(f"{url}/generate", content=b"{not json"), "not JSON"),
+            (c.post(f"{url}/generate", json=[1, 2]), "JSON object"),
+            (c.post(f"{url}/generate", json={"sampling_params": {}}), "'input_ids' or 'text'"),
+            (
+                c.post(f"{url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": "9"}}),
+                "'max_new_tokens' must be an integer",
+            ),
+            (c.post(f"{url}/v1/completions", json={"prompt": 7}), "'prompt'"),
+            (c.post(f"{url}/v1/chat/completions", json={"messages": []}), "'messages'"),
+            (
+                c.post(
+                    f"{url}/generate",
+                    json={"input_ids": [5] * config.context_window_tokens, "sampling_params": {}},
+                ),
+                "context length",
+            ),
+        ]
+        for resp, needle in cases:
+            assert resp.status_code == 400, resp.text
+            assert needle in resp.json()["error"]["message"], resp.text
+        assert _requests(cluster) == [0, 0], "no worker saw any of them"
+
+
+def test_borrowed_path_goes_to_the_decode_worker_alone() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
+    worker_side = build_scheduler("utilisation", config, cm)  # the node's own lease
+    scheduler = BorrowMarked()
+    with (
+        _stack(
+            config, worker_scheduler=worker_side, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+        ) as (_, cluster, stack),
+        _client() as c,
+    ):
+        url = stack.router.url
+
+        async def run() -> str:
+            async with httpx.AsyncClient(trust_env=False, timeout=60.0) as ac:
+                body = {"input_ids": [9] * 500, "sampling_params": {"max_new_tokens": 150}}
+                warm = ac.post(f"{url}/generate", json=body)  # keeps the node busy: its leases tick
+                warm_task = asyncio.ensure_future(warm)
+                await asyncio.sleep(3 * config.control_interval_s * 4.0)
+                ids = list(range(100, 100 + BORROW_TOKENS))
+                local = await ac.post(
+                    f"{url}/generate",
+                    json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8}, "stream": True},
+                )
+                await warm_task
+                return local.text
+
+        events = _events(asyncio.run(run()))
+        assert events[-1] == "[DONE]" and events[-2]["meta_info"]["completion_tokens"] == 8
+        sim = cluster.live.sim
+        assert [r.path for r in sim.reqs].count(1) == 1, "prefilled on the decode node"
+        assert cluster.prefill[0].requests_total == 1, "the borrowed request never reached the prefill worker"
+        assert scheduler.calls == ["started", "prefill_done", "finished"]
+        metrics = c.get(f"{url}/metrics").text
+        assert 'crossflow:requests_completed_total{path="borrow"} 1' in metrics
+        assert 'crossflow:path_decisions_total{path="borrow",reason="borrowed"} 1' in metrics
+
+
+def test_a_refused_borrow_falls_back_to_the_normal_path_and_completes() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    scheduler = BorrowMarked()  # the router believes in a lease the node does not hold (revoked there)
+    with (
+        _stack(config, scheduler=scheduler, estimator=ClusterEstimator(config, cm)) as (_, cluster, stack),
+        _client() as c,
+    ):
+        ids = list(range(100, 100 + BORROW_TOKENS))
+        resp = c.post(
+            f"{stack.router.url}/generate",
+            json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4}, "stream": True},
+        )
+        events = _events(resp.text)
+        assert resp.status_code == 200 and events[-2]["meta_info"]["completion_tokens"] == 4
+        assert all("error" not in e for e in events[:-1]), "the refusal never reached the client"
+        assert scheduler.calls == ["fallback"]
+        assert cluster.decode[0].requests_total == 2 and cluster.prefill[0].requests_total == 1
+        assert [r.prefill_worker for r in cluster.live.sim.reqs] == [0], "completed on the normal path"
+        metrics = c.get(f"{stack.router.url}/metrics").text
+        assert 'crossflow:fallbacks_total{node="0",cause="refused"} 1' in metrics
+        assert 'crossflow:requests_completed_total{path="normal"} 1' in metrics
+
+
+def test_lease_agents_publish_leases_and_a_stopped_agents_lease_expires() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2)
+    scheduler = build_scheduler("utilisation", config, cm)
+    ttl_s = scheduler.policy_for(0).ttl_s
+    scale = 0.2  # emulated time runs 5x faster than wall time: a TTL passes quickly
+    with (
+        _stack(config, scale=scale, scheduler=scheduler, estimator=ClusterEstimator(config, cm)) as (
+            background,
+            _,
+            stack,
+        ),
+        _client() as c,
+    ):
+        router = stack.router
+        assert router.scheduler is not None
+        ledger = router.scheduler.ledger
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+            all(a.reports >= 2 and a.last_lease is not None for a in stack.agents)
+            and ledger.node_ids() == [0, 1]
+        ):
+            time.sleep(0.05)  # the agents report, the router's control interval publishes, they hear
+        assert all(a.reports >= 2 for a in stack.agents) and all(a.errors == 0 for a in stack.agents)
+        assert ledger.node_ids() == [0, 1] and all(
+            ledger.lease(j).is_live(router.now_s()) and not ledger.lease(j).budgets.is_zero() for j in (0, 1)
+        )
+        assert stack.agents[0].last_lease is not None and stack.agents[0].last_lease["prefill_tokens"] > 0
+        # the control plane: a token, and bodies checked
+        state = NodeState(0, 0.0, 0, 0.0, 0.0, 0.0, 1000, 0, 0, 0, 0, 0, 0.0, 0.0, 8).to_dict()
+        route = router.control_url + NODE_STATE_PATH
+        assert c.post(route, json={"node_id": 0, "node_state": state}).status_code == 401
+        bad = c.post(route, json={"node_id": 7, "node_state": state}, headers={"authorization": "Bearer x"})
+        assert bad.status_code == 401
+        auth = {"authorization": f"Bearer {router.control_token}"}
+        bad = c.post(route, json={"node_id": 7, "node_state": state}, headers=auth)
+        assert bad.status_code == 400 and "node_id" in bad.json()["error"]["message"]
+        bad = c.post(route, json={"node_id": 0, "node_state": {"nope": 1}}, headers=auth)
+        assert bad.status_code == 400 and "node_state" in bad.json()["error"]["message"]
+        assert router.control.host == "127.0.0.1"
+        # agent 0 dies: its node's lease is not refreshed and lapses at its TTL; node 1 keeps lending
+        _on(background, stack.agents[0].stop())
+        stopped_s = router.now_s()
+        time.sleep((ttl_s + 2 * config.control_interval_s) * scale + 0.3)
+        now = router.now_s()
+        assert now - stopped_s > ttl_s
+        assert not ledger.lease(0).is_live(now), "the lease of a silent node expired"
+        assert ledger.lease(1).is_live(now)
+        assert ledger.reserve(0, LeaseBudgets(1, 1, 0, 1, 1), now) is None, "nothing more is borrowed there"
+        metrics = c.get(f"{router.url}/metrics").text
+        assert 'crossflow:lease_budget{node="0",budget="prefill_tokens"} 0' in metrics
+        assert 'crossflow:lease_reports_total{node="1"}' in metrics
+
+
+def test_a_decode_worker_killed_mid_stream_ends_its_clients_stream_with_an_error() -> None:
+    config = ClusterConfig(n_prefill=1, n_decode=2)
+    with _stack(config, scale=2.0) as (background, cluster, stack):
+        url = stack.router.url
+
+        async def run() -> tuple[list[Any], int]:
+            async with httpx.AsyncClient(trust_env=False, timeout=60.0) as ac:
+                body = {"input_ids": [7] * 200, "sampling_params": {"max_new_tokens": 2000}, "stream": True}
+                events: list[Any] = []
+                async with ac.stream("POST", f"{url}/generate", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                        if len(events) == 3:  # streaming: kill the decode worker serving it
+                            victim = next(w for w in cluster.decode if w.requests_total)
+                            asyncio.run_coroutine_threadsafe(victim.stop(), background.loop)
+                # the other decode worker still serves
+                other = await ac.post(
+                    f"{url}/generate", json={**body, "sampling_params": {"max_new_tokens": 3}}
+                )
+                return events, other.status_code
+
+        t0 = time.monotonic()
+        events, other_status = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        assert time.monotonic() - t0 < 30, "no hang"
+        assert events[-1] == "[DONE]"
+        reason = events[-2]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 502, events[-2]
+        assert other_status == 200
+
+
+def test_a_prefill_worker_killed_while_its_decode_leg_waits_aborts_that_leg_and_retries() -> None:
+    config = ClusterConfig(n_prefill=2, n_decode=1)
+    with _stack(config, scale=4.0) as (background, cluster, stack):
+        url = stack.router.url
+
+        async def run() -> tuple[int, list[Any]]:
+            async with httpx.AsyncClient(trust_env=False, timeout=120.0) as ac:
+                body = {"input_ids": [11] * 60_000, "sampling_params": {"max_new_tokens": 3}, "stream": True}
+                task = asyncio.ensure_future(ac.post(f"{url}/generate", json=body))
+                while not any(w.requests_total for w in cluster.prefill) or cluster.live.in_flight() == 0:
+                    await asyncio.sleep(0.01)  # both legs met: the prefill is running
+                victim = next(w for w in cluster.prefill if w.requests_total)
+                asyncio.run_coroutine_threadsafe(victim.stop(), background.loop).result(10)
+                resp = await task
+                return resp.status_code, _events(resp.text)
+
+        status, events = asyncio.run(asyncio.wait_for(run(), timeout=90))
+        assert status == 200 and events[-2]["meta_info"]["completion_tokens"] == 3, "retried elsewhere"
+        assert sorted(w.requests_total for w in cluster.prefill) == [1, 1], "on the other prefill worker"
+        assert cluster.decode[0].requests_total == 2
+        assert cluster._rooms == {} and cluster.decode[0]._tasks == {}, "the first decode leg was aborted"
+        assert 'crossflow:retries_total{cause="transport"} 1' in stack.router.registry.exposition()
+
+
+def test_a_lease_revoked_while_borrowed_work_is_queued_falls_back_before_its_first_token() -> None:
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
+    worker_side = build_scheduler("utilisation", config, cm)
+    scheduler = BorrowMarked()
+    with (
+        _stack(
+            config, worker_scheduler=worker_side, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+        ) as (_, cluster, stack),
+    ):
+        live = cluster.live
+        submit = live.submit_borrowed
+
+        def submit_then_revoke(*args: Any, **kwargs: Any) -> Any:
+            """The node's lease is revoked right after the borrowed request queued there."""
+            queued = submit(*args, **kwargs)
+            assert worker_side.ledger.revoke(kwargs["decode_worker"], live.sim.now_s)
+            return queued
+
+        live.submit_borrowed = submit_then_revoke  # type: ignore[method-assign]
+        url = stack.router.url
+
+        async def run() -> str:
+            async with httpx.AsyncClient(trust_env=False, timeout=60.0) as ac:
+                warm = asyncio.ensure_future(
+                    ac.post(
+                        f"{url}/generate",
+                        json={"input_ids": [9] * 500, "sampling_params": {"max_new_tokens": 150}},
+                    )
+                )
+                await asyncio.sleep(3 * config.control_interval_s * 4.0)  # the node lends now
+                ids = list(range(100, 100 + BORROW_TOKENS))
+                resp = await ac.post(
+                    f"{url}/generate",
+                    json={"input_ids": ids, "sampling_params": {"max_new_tokens": 5}, "stream": True},
+                )
+                await warm
+                return resp.text
+
+        events = _events(asyncio.run(asyncio.wait_for(run(), timeout=60)))
+        assert events[-2]["meta_info"]["completion_tokens"] == 5 and all(
+            "error" not in e for e in events[:-1]
+        )
+        assert scheduler.calls == ["fallback"], "it fell back before its first token"
+        sim = live.sim
+        assert [r.path for r in sim.reqs].count(1) == 0, "nothing was prefilled on the revoked lease"
+        assert cluster.prefill[0].requests_total == 2, "the fallback took the normal path"
+
+
+def test_twice_the_clusters_capacity_for_a_bounded_time_loses_no_request() -> None:
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    n = 40
+    with _stack(config, scale=1.0) as (_, cluster, stack):
+        url = stack.router.url
+
+        async def one(ac: Any, i: int) -> tuple[int, str]:
+            body = {"input_ids": [100 + i] * 4000, "sampling_params": {"max_new_tokens": 20}}
+            resp = await ac.post(f"{url}/generate", json=body)
+            return resp.status_code, resp.text
+
+        async def burst() -> list[tuple[int, str]]:
+            async with httpx.AsyncClient(
+                trust_env=False, timeout=120.0, limits=httpx.Limits(max_connections=None)
+            ) as ac:
+                return await asyncio.gather(*(one(ac, i) for i in range(n)))
+
+        t0 = time.monotonic()
+        answers = asyncio.run(asyncio.wait_for(burst(), timeout=120))
+        elapsed = time.monotonic() - t0
+        for status, text in answers:
+            body = json.loads(text)
+            if status == 200:
+                assert body["meta_info"]["completion_tokens"] == 20
+            else:
+                assert status >= 400 and body["error"]["message"], "a clear error"
+        done = sum(1 for s, _ in answers if s == 200)
+        assert done == n, f"{n - done} refused"
+        # the burst offered its work at once, far above what one prefill worker does per second
+        work_s = sum(cluster.live.cm.prefill_time_s(4000, 0, config.prefill_chunk_tokens) for _ in range(n))
+        assert elapsed > 0.5 * work_s, "the requests really queued"
+
+
+@pytest.mark.slow
+def test_heuristic_through_the_router_agrees_with_simulate() -> None:
+    """The heuristic policy on 2P4D at twice the trace's load (above static saturation: the prefill
+    pool is congested and the policy borrows), 60 requests of the synthetic Mooncake trace: through
+    the router and its lease agents on the emulated cluster, and in ``crossflow simulate``. Input
+    throughput within 10 %, mean TTFT within 20 %, mean ITL within 10 %. The borrowed share only
+    within 20 points, not the 5 aimed at: from run to run the router's share moves by that much
+    (its leases are sized from states its agents report, later and at another phase than the
+    simulator's; ``docs/serving.md``), so that is what is checked (``benchmarks/bench_router.py
+    agree`` runs a larger replay)."""
+    from serving.replay import ReplayConfig, replay
+    from train.experiment import Point, prepare_trace, run_point
+
+    point = Point(policy="heuristic", trace="mooncake-synthetic", shape="2P4D", max_requests=60, load=2.0)
+    trace = prepare_trace(point)
+    simulated = run_point(point, trace=trace).metrics
+    assert simulated.borrowed_share > 0.1, "the point borrows"
+    config, cm = point.cluster(), point.cost_model()
+    with _stack(
+        config,
+        scale=6.0,
+        worker_scheduler=build_scheduler("heuristic", config, cm),
+        scheduler=build_scheduler("heuristic", config, cm),
+        estimator=ClusterEstimator(config, cm),
+    ) as (_, _, stack):
+        result = replay(trace, ReplayConfig(url=stack.router.url, timeout_s=300, load=point.load))
+        completed = {k[0]: v for k, v in stack.router.m_completed.values.items()}
+    m = result.metrics
+    assert result.lag_failure is None
+    assert m["n_finished"] == simulated.n_finished == 60
+    borrowed_share = completed.get("borrow", 0.0) / sum(completed.values())
+    assert m["input_tokens_per_s"] == pytest.approx(simulated.input_tokens_per_s, rel=0.10)
+    assert m["ttft_mean_s"] == pytest.approx(simulated.ttft_mean_s, rel=0.20)
+    assert m["itl_mean_s"] == pytest.approx(simulated.itl_mean_s, rel=0.10)
+    assert borrowed_share == pytest.approx(simulated.borrowed_share, abs=0.20)
+
+
+def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``crossflow serve --router crossflow --policy heuristic`` serves a replay and stops on Ctrl-C;
+    ``crossflow router`` in front of running workers does too; bad worker flags are refused."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from envs.request import Request, Trace
+    from envs.traces import save_bundle
+    from train.cli import main
+
+    bundle = tmp_path / "tiny.csv.gz"
+    # spread over 2 emulated seconds: the replay's lag check allows 5 % of the run's wall time
+    save_bundle(Trace("t", [Request(i, -1, 0, 0.6 * i, 600 + 97 * i, 8) for i in range(4)]), bundle)
+
+    def run_until_serving(command: list[str], ready: str) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train.cli", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith(ready):
+                break
+        return proc, "".join(lines)
+
+    def stop(proc: subprocess.Popen[str]) -> str:
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        return rest
+
+    serve = ["serve", "--emulate", "1P2D", "--port", "0", "--router", "crossflow", "--policy", "heuristic"]
+    proc, text = run_until_serving([*serve, "--time-scale", "4"], "serving ")
+    try:
+        found = re.search(
+            r"^\s+router\s+(http://127\.0\.0\.1:\d+)\s+\(crossflow, policy heuristic\)", text, re.M
+        )
+        assert found is not None and "(2 lease agents)" in text, text
+        assert main(["replay", "--url", found[1], "--trace", str(bundle)]) == 0
+        assert "4 / 4" in capsys.readouterr().out
+        rest = stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "served 4 requests" in rest and "router stopped (normal 4)" in rest
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    background = BackgroundCluster(
+        EmulatedCluster(LiveCluster(config, cost_model=CostModel(*MODEL), time_scale=4.0))
+    )
+    with background as cluster:
+        p = cluster.prefill[0]
+        command = ["router", "--prefill", p.url, str(p.bootstrap_port), "--decode", cluster.decode_urls[0]]
+        proc, text = run_until_serving([*command, "--port", "0"], "control ")
+        try:
+            found = re.search(
+                r"^router (http://127\.0\.0\.1:\d+)\s+\(crossflow, policy static, time scale 4\)", text, re.M
+            )
+            assert found is not None, text
+            assert main(["replay", "--url", found[1], "--trace", str(bundle)]) == 0
+            assert "4 / 4" in capsys.readouterr().out
+            assert "router stopped" in stop(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert main(["router", "--prefill", "http://x", "1", "2", "--decode", "http://y"]) == 2
+    assert "URL [BOOTSTRAP_PORT]" in capsys.readouterr().err
+    assert main(["router", "--prefill", "x:1", "--decode", "http://y"]) == 2
+    assert "http://" in capsys.readouterr().err
