@@ -102,6 +102,8 @@ def test_train_rl_end_to_end_and_resume(tmp_path: Path) -> None:
     assert "rl" in first.stdout and "heuristic" in first.stdout
     assert (out / "checkpoints" / "ppo_128.zip").is_file()
     assert (out / "checkpoints" / "ppo_128_vecnormalize.pkl").is_file()
+    steps = [h["steps"] for h in json.loads((out / "eval.json").read_text())["history"]]
+    assert steps == [128, 256]  # the final evaluation at 256 is the in-training one, not run again
     resumed = subprocess.run(
         [*common, "--total-steps", "320", "--resume", str(out / "checkpoints" / "ppo_256.zip"), "--no-wandb"],
         cwd=REPO,

@@ -320,6 +320,8 @@ class _Trainer:
         self.val_env = LeaseEnv(cfg.env, predictor=self.predictor, split="train")
         self.val_windows = eval_windows(cfg.env, cfg.eval_windows, seed=4321)
         self.best: tuple[float, int, MlpWeights] | None = None
+        self.last_eval: tuple[int, dict[str, dict[str, float]]] | None = None
+        """(steps, held-out summary) of the latest evaluation (the final one is not run twice)."""
         """(validation reward, steps, weights) of the best policy so far."""
         self.history: list[dict[str, Any]] = []
         self.run: Any = None
@@ -382,6 +384,7 @@ class _Trainer:
 
             line = ", ".join(f"{p} {s['reward']:.2f}" for p, s in summary.items())
             tqdm.write(f"eval at {steps} steps: validation {val_reward:.2f}; mean held-out reward: {line}")
+        self.last_eval = (steps, summary)
         return summary
 
     def metadata(self, summary: dict[str, Any], train_s: float) -> dict[str, Any]:
@@ -513,7 +516,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     train_s = time.perf_counter() - t0
     steps = int(model.num_timesteps)
     checkpoint = trainer.save_checkpoint(steps)
-    summary = trainer.run_eval(steps)
+    # the last in-training evaluation may have been at this very step (total_steps a multiple of eval_every)
+    last = trainer.last_eval
+    summary = last[1] if last is not None and last[0] == steps else trainer.run_eval(steps)
     assert trainer.best is not None
     val_reward, selected_steps, weights = trainer.best
     if selected_steps != steps:  # an earlier policy validated better: report the held-out figures of that one
