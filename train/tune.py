@@ -432,10 +432,11 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out or (TUNED_FILE if spec.side == "development" else "runs/capacity.json"))
     previous = _updatable(out, spec) if args.update else None
     result = run_tune(spec, jobs=args.jobs, command=command)
+    wall_s = result["wall_s"]
     if previous is not None:
         result = merge_update(previous, result)
     write_json(out, result, indent=1)
-    print(f"tune: {len(spec.policies)} policies ({spec.side} side) in {result['wall_s']:.0f} s -> {out}")
+    print(f"tune: {len(spec.policies)} policies ({spec.side} side) in {wall_s:.0f} s -> {out}")
     for t, s in result["static"].items():
         print(f"  static on {t}: capacity {s['load']:.3g} (SLO share threshold {s['threshold']:.3f})")
     for name, row in result["policies"].items():
