@@ -38,6 +38,10 @@ policy and publishes (or revokes) each node's lease in the router's ledger, exac
 does. A node whose agent stopped reporting is left out, so its lease is not refreshed and expires at
 its TTL: nothing more is borrowed there.
 
+**Policy reload.** ``POST /crossflow/v1/policy`` on the control plane (``{"policy": REF}``) swaps the
+router's scheduler for the one ``policy_loader`` builds, without dropping a request
+(``Router.reload_policy`` says how in-flight reservations are kept).
+
 **Time.** Against an emulated cluster (``time_scale`` wall seconds per emulated second) the
 scheduler's clock, the control interval, the load poll and the latency histograms run in emulated
 seconds; retries, breakers and health checks in wall seconds.
