@@ -65,7 +65,7 @@ def test_policy_takes_a_catalog_name_a_bundle_folder_or_a_cached_wandb_reference
     assert cached.info.sha256 == bundle.digest and cached.info.source == ref
     with pytest.raises(FileNotFoundError, match="not in the local bundle cache"):
         served_policy("wandb:lab/crossflow/heuristic-h200:v9")
-    with pytest.raises(ValueError, match="neither a catalog policy"):
+    with pytest.raises(ValueError, match=r"unknown policy 'no-such-policy': neither a catalog policy"):
         served_policy("no-such-policy")
     # the router serves the bundle's identity
     parts = _router_parts(served, config, cm)

@@ -188,8 +188,8 @@ def served_policy(ref: str) -> ServedPolicy:
             bundle.interference_model,
         )
     raise ValueError(
-        f"--policy {ref!r}: neither a catalog policy ({', '.join(policy_names())}) nor a policy bundle "
-        "folder nor a wandb:ENTITY/PROJECT/NAME:VERSION reference"
+        f"--policy: unknown policy {ref!r}: neither a catalog policy ({', '.join(policy_names())}) nor a "
+        "policy bundle folder nor a wandb:ENTITY/PROJECT/NAME:VERSION reference"
     )
 
 
