@@ -1,9 +1,9 @@
 """Policy bundles: one versioned folder that says everything a lease policy runs with.
 
-A bundle is what ``crossflow simulate --policy-bundle``, ``crossflow compare --policy-bundle`` and (later)
-the router load instead of a policy name: the catalog policy (``policies.catalog``), its node and path
-policy, every dotted parameter it runs with (the tuned thresholds included), and the artifacts it needs,
-copied into the folder and pinned by SHA-256::
+A bundle is what ``crossflow simulate --policy-bundle``, ``crossflow compare --policy-bundle`` and
+``crossflow serve/router --policy`` load instead of a policy name: the catalog policy
+(``policies.catalog``), its node and path policy, every dotted parameter it runs with (the tuned
+thresholds included), and the artifacts it needs, copied into the folder and pinned by SHA-256::
 
     my-bundle/
       bundle.json              the manifest (format below)

@@ -38,6 +38,10 @@ policy and publishes (or revokes) each node's lease in the router's ledger, exac
 does. A node whose agent stopped reporting is left out, so its lease is not refreshed and expires at
 its TTL: nothing more is borrowed there.
 
+**Policy reload.** ``POST /crossflow/v1/policy`` on the control plane (``{"policy": REF}``) swaps the
+router's scheduler for the one ``policy_loader`` builds, without dropping a request
+(``Router.reload_policy`` says how in-flight reservations are kept).
+
 **Time.** Against an emulated cluster (``time_scale`` wall seconds per emulated second) the
 scheduler's clock, the control interval, the load poll and the latency histograms run in emulated
 seconds; retries, breakers and health checks in wall seconds.
@@ -55,9 +59,9 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -96,8 +100,14 @@ from serving.resilience import (
     is_retryable,
 )
 
+if TYPE_CHECKING:
+    from policies.bundle import PolicyBundle
+
 NODE_STATE_PATH = "/crossflow/v1/node_state"
 """The control plane's lease-report route (``POST``, JSON ``{"node_id": j, "node_state": {...}}``)."""
+POLICY_PATH = "/crossflow/v1/policy"
+"""The control plane's policy route: ``GET`` the served policy, ``POST {"policy": REF}`` reloads it
+(``Router.reload_policy``)."""
 ROOM_BITS = 63
 BLOCK_TOKENS = 16
 """The router's prefix trees hash token ids in blocks of at least this many tokens (whole KV pages):
@@ -149,11 +159,38 @@ class PolicyInfo:
     version: str = ""
     sha256: str = ""
     params: Mapping[str, Any] = field(default_factory=dict)
+    policy: str = ""
+    """The catalog policy it runs (a bundle's ``policy``; a catalog policy's own name)."""
+    source: str = ""
+    """Where it came from: ``catalog``, or the bundle folder or ``wandb:`` reference it was loaded from."""
 
     @classmethod
     def from_catalog(cls, name: str, params: Mapping[str, Any], version: str) -> PolicyInfo:
         digest = hashlib.sha256(dumps({"name": name, "params": dict(params)})).hexdigest()
-        return cls(name, version, digest, dict(params))
+        return cls(name, version, digest, dict(params), policy=name, source="catalog")
+
+    @classmethod
+    def from_bundle(cls, bundle: PolicyBundle, source: str) -> PolicyInfo:
+        """A bundle's identity: its name, version and digest (``PolicyBundle.digest``)."""
+        return cls(
+            bundle.name, str(bundle.version), bundle.digest, dict(bundle.params), bundle.policy, source
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "sha256": self.sha256,
+            "policy": self.policy,
+            "source": self.source,
+            "params": dict(self.params),
+        }
+
+
+PolicyLoader = Callable[[str], "tuple[SchedulerLike | None, PolicyInfo]"]
+"""Turns a policy reference (a catalog name, a bundle folder, a ``wandb:`` reference) into the
+router's scheduler for it (None: a passive policy) and its identity; raises ``ValueError`` /
+``FileNotFoundError`` / ``KeyError`` naming what is wrong. Called off the event loop."""
 
 
 @dataclass(frozen=True)
@@ -322,6 +359,11 @@ class _Flight:
     decode: Worker | None = None
     prefill_entry: int | None = None
     """Its entry in its prefill worker's ``PrefillQueue`` while counted there."""
+    scheduler: SchedulerLike | None = None
+    """The scheduler that chose its path: a borrowed request's reservation lives in that scheduler's
+    ledger, so its start, finish and fallback are reported there even after a policy reload."""
+    generation: int = 0
+    """The policy generation that admitted it (``Router.policy_generation``)."""
 
 
 def _sse_data(line: str) -> str | None:
@@ -365,6 +407,7 @@ class Router:
         scheduler: SchedulerLike | None = None,
         estimator: QueueEstimator | None = None,
         policy: PolicyInfo | None = None,
+        policy_loader: PolicyLoader | None = None,
     ) -> None:
         if scheduler is not None and estimator is None:
             raise ValueError("a router with a scheduler needs the cluster estimator (queue-wait timing)")
@@ -372,6 +415,11 @@ class Router:
         self.scheduler = scheduler
         self.estimator = estimator
         self.policy = policy or PolicyInfo("static")
+        self.policy_loader = policy_loader
+        self.policy_generation = 0
+        """Bumped by each policy reload."""
+        self._reload_lock = asyncio.Lock()
+        self._control_task: asyncio.Task[None] | None = None
         self.control_token = config.control_token or secrets.token_urlsafe(24)
         self.prefill = [
             Worker("prefill", i, url.rstrip("/"), port, CircuitBreaker(config.breaker), Health(config.health))
@@ -400,8 +448,9 @@ class Router:
         self._rooms = np.random.default_rng(config.seed + 2)
         self._next_id = 0
         self._reports: dict[int, tuple[NodeState, float]] = {}
-        self._reservation_nodes: dict[int, int] = {}
-        """Active borrow reservations -> their node (to label revocations)."""
+        self._reservation_nodes: dict[tuple[int, int], int] = {}
+        """Active borrow reservations (policy generation, reservation id) -> their node (to label
+        revocations; ids of two policies' ledgers may coincide)."""
         self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
         self.control = HttpServer(self._control_route, config.control_host, config.control_port)
         self.client: httpx.AsyncClient | None = None
@@ -432,11 +481,23 @@ class Router:
         loops = [self._health_loop()]
         if self.config.overload is not None:
             loops.append(self._load_loop(self.config.overload))
-        if self.scheduler is not None:
-            loops.append(self._control_loop(self.scheduler))
         self._tasks = [asyncio.create_task(c) for c in loops]
+        self._start_control_loop()
+
+    def _start_control_loop(self) -> None:
+        if self.scheduler is not None:
+            self._control_task = asyncio.create_task(
+                self._control_loop(self.scheduler, self.policy_generation)
+            )
+
+    async def _stop_control_loop(self) -> None:
+        task, self._control_task = self._control_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def stop(self) -> None:
+        await self._stop_control_loop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -468,6 +529,11 @@ class Router:
         )
         self.m_reports = r.counter(
             "crossflow:lease_reports_total", "Node states reported by lease agents.", ("node",)
+        )
+        self.m_reloads = r.counter(
+            "crossflow:policy_reloads_total",
+            "Policy reloads on the control plane, by the new policy's name.",
+            ("policy",),
         )
         self.m_borrowed_tokens = r.counter(
             "crossflow:lease_borrowed_prefill_tokens_total",
@@ -565,7 +631,39 @@ class Router:
         ):
             pool.set_overloaded([self._overloaded[role][w.idx] or not w.available for w in workers])
 
-    async def _control_loop(self, scheduler: SchedulerLike) -> None:
+    async def reload_policy(self, ref: str) -> PolicyInfo:
+        """Serve policy ``ref`` from now on (through ``policy_loader``); the previous identity.
+
+        Without dropping a request: the new scheduler is built off the event loop, then swapped in at
+        once (no await between the swap's steps, so no request sees half of it). A request already
+        admitted keeps the scheduler that chose its path (``_Flight.scheduler``): a borrowed one
+        reports its start, finish or fallback to the ledger that holds its reservation, so that
+        reservation is released exactly once and never in the new ledger. The old scheduler gets no
+        more control intervals: its leases are not refreshed and nothing new is reserved on them;
+        the reservations it holds end with their requests. The new scheduler starts with an empty
+        ledger and publishes leases at its first control interval from the states the lease agents
+        reported (kept across the swap), and those states count the old policy's borrowed work
+        still running on each node (a worker reports what it runs), so the new leases are sized
+        around it rather than over it; the worker's own check on arrival remains the last word
+        (a refused borrow falls back to the normal path). Until that first interval no request is
+        borrowed: the normal path, never a lost request. Raises what the loader raises, and
+        ``ValueError`` for a lease policy on a router without a queue estimator.
+        """
+        if self.policy_loader is None:
+            raise ValueError("this router was started without a policy loader; it cannot reload")
+        async with self._reload_lock:
+            scheduler, info = await asyncio.to_thread(self.policy_loader, ref)
+            if scheduler is not None and self.estimator is None:
+                raise ValueError("a router with a scheduler needs the cluster estimator (queue-wait timing)")
+            await self._stop_control_loop()
+            previous = self.policy
+            self.scheduler, self.policy = scheduler, info
+            self.policy_generation += 1
+            self._start_control_loop()
+            self.m_reloads.inc(info.name)
+            return previous
+
+    async def _control_loop(self, scheduler: SchedulerLike, generation: int) -> None:
         interval_s = scheduler.control_interval_s
         while True:
             await asyncio.sleep(interval_s * self.config.time_scale)
@@ -578,7 +676,7 @@ class Router:
             revoked = scheduler.on_control_interval(now, sorted(fresh, key=lambda s: s.node_id))
             for rid in revoked or ():
                 with contextlib.suppress(KeyError):
-                    self.m_revocations.inc(self._reservation_nodes.pop(rid))
+                    self.m_revocations.inc(self._reservation_nodes.pop((generation, rid)))
 
     # ---------------------------------------------------------------- control plane
     async def _control_route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
@@ -609,6 +707,24 @@ class Router:
             }
             await send_json(writer, 200, answer)
             return
+        if request.path == POLICY_PATH and request.method == "GET":
+            await send_json(writer, 200, {"policy": self.policy.to_dict()})
+            return
+        if request.path == POLICY_PATH and request.method == "POST":
+            body = request.json()
+            ref = body.get("policy") if isinstance(body, dict) else None
+            if not isinstance(ref, str) or not ref.strip():
+                raise HttpError(
+                    400, "field 'policy' must be a catalog policy, a bundle folder or a wandb: reference"
+                )
+            if self.policy_loader is None:
+                raise HttpError(501, "this router was started without a policy loader; it cannot reload")
+            try:
+                previous = await self.reload_policy(ref.strip())
+            except (ValueError, FileNotFoundError, KeyError) as exc:
+                raise HttpError(400, f"field 'policy': {exc}") from None
+            await send_json(writer, 200, {"policy": self.policy.to_dict(), "previous": previous.to_dict()})
+            return
         await send_json(
             writer, 404, {"error": {"message": f"no route {request.method} {request.path}", "code": 404}}
         )
@@ -636,15 +752,9 @@ class Router:
             await send_json(writer, 404, {"error": {"message": f"no route {method} {path}", "code": 404}})
 
     def server_info(self) -> dict[str, Any]:
-        p = self.policy
         return {
             "crossflow_router": {
-                "policy": {
-                    "name": p.name,
-                    "version": p.version,
-                    "sha256": p.sha256,
-                    "params": dict(p.params),
-                },
+                "policy": self.policy.to_dict(),
                 "prefill": [w.url for w in self.prefill],
                 "decode": [w.url for w in self.decode],
             },
@@ -765,10 +875,11 @@ class Router:
             decode_kv_capacity_tokens=self.config.kv_capacity_tokens,
         )
         decision = self.scheduler.choose_path(query, self.now_s())
+        flight.scheduler, flight.generation = self.scheduler, self.policy_generation
         self.m_decisions.inc(decision.path, decision.code.name.lower())
         if decision.path == "borrow":
             assert decision.reservation_id is not None and decision.node_id is not None
-            self._reservation_nodes[decision.reservation_id] = decision.node_id
+            self._reservation_nodes[(flight.generation, decision.reservation_id)] = decision.node_id
         flight.prefill, flight.decode = p, d
         return decision if decision.path == "borrow" else None
 
@@ -874,11 +985,8 @@ class Router:
     async def _borrowed(
         self, flight: _Flight, body: dict[str, Any], client: _ClientSide, decision: PathDecision
     ) -> int:
-        assert (
-            self.scheduler is not None
-            and decision.node_id is not None
-            and decision.reservation_id is not None
-        )
+        scheduler = flight.scheduler  # the one holding the reservation, even after a reload
+        assert scheduler is not None and decision.node_id is not None and decision.reservation_id is not None
         res, d = decision.reservation_id, self.decode[decision.node_id]
         p = flight.prefill if flight.prefill is not None else self._pick("prefill", flight, set())
         rid = f"crossflow-{flight.request_id}-{secrets.token_hex(4)}"
@@ -887,31 +995,29 @@ class Router:
         started = False
         reported = self._reports.get(d.idx)
         if reported is not None:  # it reaches the node now: its next lease counts it as the node's work
-            self.scheduler.on_task_arrival(res, reported[0], self.now_s())
+            scheduler.on_task_arrival(res, reported[0], self.now_s())
 
         def first_token() -> None:
             nonlocal started
             started = True
             now = self.now_s()
-            if self.scheduler is not None and self.scheduler.on_task_started(res, now):
-                self.m_borrowed_tokens.inc(
-                    d.idx, amount=float(self.scheduler.ledger.held_by(res).prefill_tokens)
-                )
-                self.scheduler.on_prefill_done(res)
+            if scheduler.on_task_started(res, now):
+                self.m_borrowed_tokens.inc(d.idx, amount=float(scheduler.ledger.held_by(res).prefill_tokens))
+                scheduler.on_prefill_done(res)
 
         try:
             return await self._relay(d, leg_body, client, flight, "borrow", first_token)
         finally:
             self._leave(flight, d)
-            self._reservation_nodes.pop(res, None)
+            self._reservation_nodes.pop((flight.generation, res), None)
             if not started:
                 flight.prefill = None  # the fallback picks its prefill worker again, as the simulator
             if started:
                 with contextlib.suppress(KeyError, ValueError):
-                    if self.scheduler.ledger.status(res) in ("reserved", "committed"):
-                        self.scheduler.on_request_finished(res)
+                    if scheduler.ledger.status(res) in ("reserved", "committed"):
+                        scheduler.on_request_finished(res)
             else:
-                self.scheduler.on_fallback(res)
+                scheduler.on_fallback(res)
 
     @staticmethod
     def _worker_fine(status: int, path: str) -> bool:
@@ -1044,8 +1150,10 @@ class _ClientSide:
 
 __all__ = [
     "NODE_STATE_PATH",
+    "POLICY_PATH",
     "PageTrees",
     "PolicyInfo",
+    "PolicyLoader",
     "Router",
     "RouterConfig",
     "Worker",

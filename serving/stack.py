@@ -20,7 +20,7 @@ from envs.cluster_config import ClusterConfig
 from policies.routing import OverloadProtection
 from serving.lease_agent import LeaseAgent
 from serving.pd_cluster import EmulatedCluster
-from serving.router import PolicyInfo, QueueEstimator, Router, RouterConfig, SchedulerLike
+from serving.router import PolicyInfo, PolicyLoader, QueueEstimator, Router, RouterConfig, SchedulerLike
 
 
 def router_config_for(
@@ -60,12 +60,18 @@ REPORTS_PER_INTERVAL = 4
 reads at its interval is at most a quarter of one old."""
 
 
-def start_lease_agents(router: Router, decode_urls: Sequence[str]) -> list[LeaseAgent]:
+def start_lease_agents(
+    router: Router, decode_urls: Sequence[str], control_interval_s: float | None = None
+) -> list[LeaseAgent]:
     """One lease agent per decode worker, reporting to ``router`` ``REPORTS_PER_INTERVAL`` times per
-    control interval (none without a scheduler); started on the running loop."""
-    if router.scheduler is None:
-        return []
-    interval_wall_s = router.scheduler.control_interval_s * router.config.time_scale / REPORTS_PER_INTERVAL
+    ``control_interval_s`` (emulated; None: the router's scheduler's), started on the running loop.
+    None without a scheduler unless ``control_interval_s`` is given (a router that may reload a lease
+    policy needs its nodes' states from the start)."""
+    if control_interval_s is None:
+        if router.scheduler is None:
+            return []
+        control_interval_s = router.scheduler.control_interval_s
+    interval_wall_s = control_interval_s * router.config.time_scale / REPORTS_PER_INTERVAL
     agents = [
         LeaseAgent(url, j, router.control_url, router.control_token, interval_wall_s)
         for j, url in enumerate(decode_urls)
@@ -85,17 +91,23 @@ class CrossflowStack:
         scheduler: SchedulerLike | None = None,
         estimator: QueueEstimator | None = None,
         policy: PolicyInfo | None = None,
+        policy_loader: PolicyLoader | None = None,
         **fields: Any,
     ) -> None:
         self.cluster = cluster
         self.router = Router(
-            router_config(cluster, **fields), scheduler=scheduler, estimator=estimator, policy=policy
+            router_config(cluster, **fields),
+            scheduler=scheduler,
+            estimator=estimator,
+            policy=policy,
+            policy_loader=policy_loader,
         )
         self.agents: list[LeaseAgent] = []
 
     async def start(self) -> None:
         await self.router.start()
-        self.agents = start_lease_agents(self.router, self.cluster.decode_urls)
+        interval_s = self.cluster.live.config.control_interval_s if self.router.policy_loader else None
+        self.agents = start_lease_agents(self.router, self.cluster.decode_urls, interval_s)
 
     async def stop(self) -> None:
         for agent in self.agents:

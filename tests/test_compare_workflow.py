@@ -392,27 +392,41 @@ def test_wandb_offline_runs_tables_plots_and_results_artifact(
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    from policies.bundle import write_policy_bundle
+    from policies.bundle import load_policy_bundle, write_policy_bundle
+    from policies.catalog import tuned_params
 
     write_policy_bundle(tmp_path / "lend", name="lend", policy="utilisation")
-    spec = _tiny(seeds=2, latency_loads=(1.0,), throughput_loads=(2.0,))
+    spec = _tiny(policies=("static", "utilisation"), seeds=2, latency_loads=(1.0,), throughput_loads=(2.0,))
     results = run_compare(spec, tmp_path / "run", use_wandb=True, bundles=[str(tmp_path / "lend")])
     info = results["wandb"]
-    assert info["runs"] == 5 and info["group"].startswith("run@")  # 2 points x 2 policies + the summary
+    assert info["runs"] == 7 and info["group"].startswith("run@")  # 2 points x 3 policies + the summary
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 5
-    # the bundle a run used is referenced by hash (offline W&B refuses use_artifact)
+    assert len(runs) == 7
+    # each bundle a run ran is logged as a policy-bundle artifact (offline W&B refuses use_artifact, so
+    # as the run's output, uploaded by `wandb sync`): --policy-bundle's own, and for the catalog
+    # policy with a scheduler (utilisation) a bundle of its tuned values written into the run folder
     _flush_wandb()
     logs = [next(r.glob("*.wandb")).read_bytes() for r in runs]  # offline: config lives in the log
-    assert sum(b"input_bundle-lend" in b for b in logs) == 2
+    lend = load_policy_bundle(tmp_path / "lend")
+    made = load_policy_bundle(tmp_path / "run" / "bundles" / "utilisation-gpt-oss-120b")
+    assert made.policy == "utilisation" and dict(made.params) == tuned_params("utilisation")
+    assert info["policy_bundles"] == {
+        "lend|gpt-oss-120b": str(tmp_path / "lend"),
+        "utilisation|gpt-oss-120b": str(made.folder),
+    }
+    assert made.digest == lend.digest, "the same policy and values: the same digest, whatever the name"
+    with_bundle = [b for b in logs if b"policy-bundle" in b]
+    assert len(with_bundle) == 4, "two points x (lend, utilisation); static has no bundle"
+    assert all(b"log_artifact" in b and made.digest.encode() in b for b in with_bundle)
+    assert sum(b"utilisation-gpt-oss-120b" in b for b in logs) == 2
     assert not any(b"model_sha256" in b for b in logs)  # neither static nor utilisation uses a model
     assert sum(b"compare-results" in b for b in logs) == 1  # results.json + report.md, as an artifact
     media = [p.relative_to(tmp_path) for r in runs for p in (r / "files" / "media").rglob("*") if p.is_file()]
     names = [p.name for p in media]
-    assert sum(n.startswith("seeds_") and n.endswith(".table.json") for n in names) == 4
+    assert sum(n.startswith("seeds_") and n.endswith(".table.json") for n in names) == 6
     assert sum(n.startswith("comparison_") for n in names) == 1
     assert sum(n.endswith(".png") for n in names) == len(list((tmp_path / "run").glob("*.png")))
     seeds = next(p for r in runs for p in (r / "files" / "media").rglob("seeds_*.table.json"))
     table = json.loads(seeds.read_text())
     assert len(table["data"]) == 2 and table["columns"][0] == "seed"
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["wandb"]["runs"] == 5
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["wandb"]["runs"] == 7

@@ -1324,6 +1324,53 @@ def comparison_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]
     return columns, rows
 
 
+RUN_BUNDLES = "bundles"
+"""Folder of a compare run where the catalog policies it ran are written as policy bundles."""
+
+
+def run_bundles(results: dict[str, Any], out: Path, artifacts: dict[str, str]) -> dict[tuple[str, str], str]:
+    """(policy, model) -> the policy bundle folder that policy ran on that model: a ``--policy-bundle``'s
+    own folder; for a catalog policy with a scheduler, a bundle written now into ``out/bundles/`` with
+    the values it ran (the tuned ones and any ``policy_params`` over them), the interference model it
+    used and, for the ``rl`` node policy, its weights. Passive and grid-level policies have none.
+    Rewritten on each call (same policy, values and files: the same digest)."""
+    import shutil
+
+    from policies.bundle import write_policy_bundle
+    from policies.catalog import tuned_params
+    from policies.rl_policy import DEFAULT_ARTIFACT
+
+    given = results.get("bundles") or {}
+    found: dict[tuple[str, str], str] = {}
+    for p in results["points"]:
+        policy, model = p["policy"], p["model"]
+        if (policy, model) in found:
+            continue
+        if policy in given:
+            found[(policy, model)] = given[policy]["folder"]
+            continue
+        spec = policy_spec(policy)
+        if spec.passive or spec.grid_level:
+            continue
+        params = {**tuned_params(policy), **{k: v for k, v in p["point"].get("policy_params") or ()}}
+        rl = params.pop("node.artifact", DEFAULT_ARTIFACT) if spec.node == "rl" else None
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{policy}-{model}")
+        folder = out / RUN_BUNDLES / name
+        if folder.exists():
+            shutil.rmtree(folder)
+        write_policy_bundle(
+            folder,
+            name=name,
+            policy=policy,
+            params=params,
+            interference_model=artifact_of(artifacts, policy, model) if spec.needs_predictor else None,
+            rl_policy=rl,
+            command=results.get("command", ""),
+        )
+        found[(policy, model)] = str(folder)
+    return found
+
+
 def _log_wandb(
     results: dict[str, Any], out: Path, artifacts: dict[str, str], plots: Sequence[Path]
 ) -> dict[str, Any]:
@@ -1332,7 +1379,8 @@ def _log_wandb(
 
     * one run per (point, policy) -- trace, model, shape, split side, regime, load fraction -- with
       ``job_type`` the regime, seed means in the summary, a ``seeds`` table (one row per seed), the first
-      seed's per-minute timeline as history, and the interference model it used by hash;
+      seed's per-minute timeline as history, the interference model it used by hash, and the policy
+      bundle it ran as a ``policy-bundle`` artifact (``run_bundles``, ``wandb_log.log_bundle_artifact``);
     * one ``summary`` run: the comparison table with the 95 % intervals, every plot as an image, and
       ``results.json`` + ``report.md`` as a versioned ``compare-results`` artifact.
     """
@@ -1340,7 +1388,7 @@ def _log_wandb(
 
     wandb_log.default_to_offline()
     group = f"{out.name}@{results['created_utc']}"
-    bundles = results.get("bundles") or {}
+    bundles = run_bundles(results, out, artifacts)
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for p in results["points"]:
         if p.get("metrics"):
@@ -1414,7 +1462,7 @@ def _log_wandb(
                 artifact_dir=artifact_of(artifacts, policy, model)
                 if policy_spec(policy).needs_predictor
                 else None,
-                input_folders={f"bundle-{policy}": bundles[policy]["folder"]} if policy in bundles else {},
+                policy_bundle=bundles.get((policy, model)),
             )
         )
     columns, table = comparison_rows(results["summary"])
@@ -1449,6 +1497,7 @@ def _log_wandb(
         "mode": os.environ.get("WANDB_MODE"),
         "group": group,
         "runs": len(folders),
+        "policy_bundles": {f"{policy}|{model}": path for (policy, model), path in sorted(bundles.items())},
         "dir": "wandb",
         "wall_s": time.perf_counter() - t0,
     }

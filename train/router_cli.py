@@ -41,7 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to serve on (default 30000; 0: a free one)")
     p.add_argument("--control-port", type=int, default=0, help="control plane port on 127.0.0.1 (0: free)")
-    p.add_argument("--policy", default="static", help="catalog policy (default static)")
+    p.add_argument(
+        "--policy",
+        default="static",
+        help="catalog policy, policy bundle folder or wandb:ENTITY/PROJECT/NAME:VERSION (default static)",
+    )
     p.add_argument("--gpu", default="H200", help="the workers' GPU (default H200)")
     p.add_argument("--model", default="gpt-oss-120b", help="the served model (default gpt-oss-120b)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree per worker")
@@ -92,7 +96,7 @@ def _run_router(args: argparse.Namespace) -> int:
     from serving.router import Router
     from serving.stack import router_config_for, start_lease_agents
     from train.experiment import Point, default_tp
-    from train.serve_cli import _router_parts
+    from train.serve_cli import _router_parts, describe_policy, served_policy
 
     prefill, decode = _workers(args)
     if not 0 <= args.port <= 65535 or not 0 <= args.control_port <= 65535:
@@ -100,8 +104,10 @@ def _run_router(args: argparse.Namespace) -> int:
     model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
     from train.cli import cluster_overrides
 
+    served = served_policy(args.policy)
     point = Point(
-        policy=args.policy,
+        policy=served.policy,
+        policy_params=served.point_params(),
         model=args.model,
         gpu=args.gpu,
         tp=args.tp,
@@ -111,7 +117,7 @@ def _run_router(args: argparse.Namespace) -> int:
         **model_options(args),
     )
     config, cost_model = point.cluster(), point.cost_model()
-    parts = _router_parts(args.policy, config, cost_model)
+    parts = _router_parts(served, config, cost_model)
 
     async def serve() -> None:
         scale = args.time_scale if args.time_scale is not None else await _time_scale(decode)
@@ -123,14 +129,13 @@ def _run_router(args: argparse.Namespace) -> int:
         )  # fmt: skip
         router = Router(router_config, **parts)
         await router.start()
-        agents = start_lease_agents(router, decode)
+        agents = start_lease_agents(router, decode, config.control_interval_s)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for s in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(s, stop.set)
-        print(
-            f"router {router.url}  (crossflow, policy {router.policy.name}, time scale {scale:g})", flush=True
-        )
+        served_line = f"crossflow, policy {describe_policy(router.policy)}, time scale {scale:g}"
+        print(f"router {router.url}  ({served_line})", flush=True)
         print(f"control {router.control_url}  ({len(agents)} lease agents)", flush=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=args.run_s)

@@ -14,6 +14,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from train.model_args import add_model_arguments, model_from_args, model_options
@@ -66,7 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policy",
         default="static",
-        help="decode nodes' lease policy (static: no lease; utilisation, heuristic, rl): with a lease a "
+        help="decode nodes' lease policy: a catalog name (static: no lease; utilisation, heuristic, rl), a "
+        "policy bundle folder or a W&B reference wandb:ENTITY/PROJECT/NAME:VERSION (docs/policy_bundle.md); "
+        "with a lease a "
         "decode worker prefills do_local_prefill requests itself (default: static)",
     )
     p.add_argument(
@@ -95,12 +100,14 @@ def _build(args: argparse.Namespace) -> Any:
     from envs.live import LiveCluster
     from serving.pd_cluster import EmulatedCluster
     from train.cli import cluster_overrides
-    from train.experiment import Point, build_scheduler, default_tp
+    from train.experiment import Point, default_tp
 
     parse_shape(args.emulate)
     model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
+    served = served_policy(args.policy)
     point = Point(
-        policy=args.policy,
+        policy=served.policy,
+        policy_params=served.point_params(),
         model=args.model,
         gpu=args.gpu,
         tp=args.tp,
@@ -110,7 +117,7 @@ def _build(args: argparse.Namespace) -> Any:
         **model_options(args),
     )
     config, cost_model = point.cluster(), point.cost_model()
-    scheduler = build_scheduler(args.policy, config, cost_model)
+    scheduler = served.scheduler(config, cost_model)  # the emulated workers' own (their lease checks)
     with_router = args.router != "none"
     first = args.port + 1 if (with_router and args.port) else args.port
     live = LiveCluster(
@@ -124,26 +131,83 @@ def _build(args: argparse.Namespace) -> Any:
     cluster = EmulatedCluster(live, port=first)
     router_parts = None
     if args.router == "crossflow":
-        router_parts = _router_parts(args.policy, config, cost_model)
-    return point, cluster, router_parts
+        router_parts = _router_parts(served, config, cost_model)
+    return point, cluster, router_parts, served
 
 
-def _router_parts(policy: str, config: Any, cost_model: Any) -> dict[str, Any]:
-    """The router's own scheduler (its own ledger, fed by the lease agents), its queue estimator and
-    the served policy's identity. A policy is named from the catalog; a policy bundle (a file or a W&B
-    reference) would be loaded here, its name, version and hash served the same way."""
+@dataclass(frozen=True)
+class ServedPolicy:
+    """What ``--policy REF`` names: a catalog policy (its shipped tuned values) or a policy bundle (a
+    folder or a ``wandb:ENTITY/PROJECT/NAME:VERSION`` reference, ``policies.bundle``), with the
+    identity ``/server_info`` serves."""
+
+    policy: str
+    """The catalog policy it runs."""
+    params: Mapping[str, Any] | None
+    """Dotted parameters (None: the shipped tuned values)."""
+    info: Any
+    """``serving.router.PolicyInfo``."""
+    interference_model: Path | None = None
+    """The bundle's interference model (None: the shipped one, for a policy that needs one)."""
+
+    def scheduler(self, config: Any, cost_model: Any) -> Any:
+        """A fresh ``ClusterScheduler`` (its own ledger) on ``config``; None for a passive policy."""
+        from train.experiment import build_scheduler
+
+        predictor = None
+        if self.interference_model is not None:
+            from interference_model.artifact import load_predictor
+
+            predictor = load_predictor(
+                self.interference_model, gpu=config.gpu, model=config.model, tp=config.tp
+            )
+        return build_scheduler(self.policy, config, cost_model, predictor=predictor, params=self.params)
+
+    def point_params(self) -> tuple[tuple[str, Any], ...]:
+        """``Point.policy_params`` (empty: the tuned values)."""
+        return tuple(sorted(self.params.items())) if self.params is not None else ()
+
+
+def served_policy(ref: str) -> ServedPolicy:
+    """Resolve ``--policy REF``: a catalog name first, then a bundle folder or ``wandb:`` reference
+    (loaded and verified by ``policies.bundle``); a ``ValueError`` naming the choices otherwise."""
     from importlib.metadata import version
 
-    from envs.estimator import ClusterEstimator
-    from policies.catalog import policy_spec, tuned_params
+    from policies.bundle import WANDB_PREFIX, load_policy_bundle, resolve_bundle
+    from policies.catalog import policy_names, tuned_params
     from serving.router import PolicyInfo
-    from train.experiment import build_scheduler
 
-    policy_spec(policy)
+    if ref in policy_names():
+        return ServedPolicy(ref, None, PolicyInfo.from_catalog(ref, tuned_params(ref), version("crossflow")))
+    if ref.startswith(WANDB_PREFIX) or Path(ref).exists():
+        bundle = load_policy_bundle(resolve_bundle(ref))
+        return ServedPolicy(
+            bundle.policy,
+            bundle.scheduler_params(),
+            PolicyInfo.from_bundle(bundle, ref),
+            bundle.interference_model,
+        )
+    raise ValueError(
+        f"--policy: unknown policy {ref!r}: neither a catalog policy ({', '.join(policy_names())}) nor a "
+        "policy bundle folder nor a wandb:ENTITY/PROJECT/NAME:VERSION reference"
+    )
+
+
+def _router_parts(served: ServedPolicy, config: Any, cost_model: Any) -> dict[str, Any]:
+    """The router's own scheduler (its own ledger, fed by the lease agents), its queue estimator, the
+    served policy's identity, and the loader a policy reload on the control plane calls (any catalog
+    name, bundle folder or ``wandb:`` reference, on the same cluster and cost model)."""
+    from envs.estimator import ClusterEstimator
+
+    def load(ref: str) -> tuple[Any, Any]:
+        other = served_policy(ref)
+        return other.scheduler(config, cost_model), other.info
+
     return {
-        "scheduler": build_scheduler(policy, config, cost_model),
+        "scheduler": served.scheduler(config, cost_model),
         "estimator": ClusterEstimator(config, cost_model),
-        "policy": PolicyInfo.from_catalog(policy, tuned_params(policy), version("crossflow")),
+        "policy": served.info,
+        "policy_loader": load,
     }
 
 
@@ -154,7 +218,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     _check(args)
     if args.router == "smg" and (reason := missing_reason("smg")) is not None:
         raise ValueError(f"--router smg: {reason}")
-    point, cluster, router_parts = _build(args)
+    point, cluster, router_parts, served = _build(args)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -170,7 +234,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             cfg = running.live.config
             print(
                 f"emulated {point.shape} {point.model} / {point.gpu} TP{point.resolved_tp}, "
-                f"policy {args.policy}, time scale {args.time_scale:g} (wall s per emulated s)",
+                f"policy {describe_policy(served.info)}, "
+                f"time scale {args.time_scale:g} (wall s per emulated s)",
                 flush=True,
             )
             for w in running.workers:
@@ -184,7 +249,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             if router_parts is not None:
                 stack = _start_stack(background, running, router_parts, args)
                 router = stack.router
-                print(f"  router     {router.url}  (crossflow, policy {router.policy.name})", flush=True)
+                served_line = f"crossflow, policy {describe_policy(router.policy)}"
+                print(f"  router     {router.url}  ({served_line})", flush=True)
                 print(f"  control    {router.control_url}  ({len(stack.agents)} lease agents)", flush=True)
             print(f"serving {cfg.n_prefill + cfg.n_decode} workers; Ctrl-C stops", flush=True)
             stop.wait(timeout=args.run_s)
@@ -220,6 +286,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         print("crossflow serve: the emulation did not keep its schedule (see above)", file=sys.stderr)
         return 1
     return 0
+
+
+def describe_policy(info: Any) -> str:
+    """A served policy in one line: the catalog name, or a bundle's name, version, policy and digest."""
+    if info.source == "catalog":
+        return str(info.name)
+    return f"{info.name} v{info.version} ({info.policy}, bundle digest {info.sha256[:12]})"
 
 
 def _run_on(background: Any, coro: Any) -> Any:

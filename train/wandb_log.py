@@ -74,9 +74,9 @@ class RunLog:
     output_artifact: tuple[str, str, Sequence[str]] | None = None
     """(name, type, file paths) logged as a versioned output artifact of the run (offline too: it is
     uploaded by ``wandb sync``)."""
-    input_folders: Mapping[str, str] = field(default_factory=dict)
-    """Artifact name -> folder (e.g. a policy bundle) the run used: ``use_artifact`` when online, a
-    SHA-256 reference in the config when offline (W&B refuses ``use_artifact`` offline)."""
+    policy_bundle: str | None = None
+    """The policy bundle folder the run ran (:func:`log_bundle_artifact`: a ``policy-bundle`` artifact,
+    its identity in the config as ``policy_bundle``)."""
 
 
 def _link_artifact(run: Any, folder: str) -> str:
@@ -96,29 +96,44 @@ def _link_artifact(run: Any, folder: str) -> str:
         return "config"
 
 
-def folder_reference(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """Name and SHA-256 over the relative paths and bytes of every file of ``folder``."""
-    root = Path(folder)
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    return {"name": root.name, "sha256": h.hexdigest()}
-
-
-def _use_folder(run: Any, name: str, folder: str) -> dict[str, Any]:
+def _bundle_artifact(folder: str | os.PathLike[str]) -> tuple[Any, dict[str, Any]]:
+    """A ``policy-bundle`` artifact of a bundle folder (verified), named after the bundle, and the
+    bundle's identity (name, version, policy, digest)."""
     import wandb
 
-    ref = folder_reference(folder)
+    from policies.bundle import load_policy_bundle
+
+    bundle = load_policy_bundle(folder)
+    meta = {"name": bundle.name, "policy": bundle.policy, "version": bundle.version, "digest": bundle.digest}
+    artifact = wandb.Artifact(
+        bundle.name, type="policy-bundle", metadata={**meta, "files": dict(bundle.files)}
+    )
+    artifact.add_dir(str(folder))
+    return artifact, meta
+
+
+def log_bundle_artifact(run: Any, folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Record that ``run`` ran the bundle in ``folder``; its identity and how it was linked.
+
+    Online: ``use_artifact`` (the bundle becomes a versioned artifact and the run's input: lineage).
+    Offline W&B refuses ``use_artifact``, so the run logs it as its output instead: the artifact's
+    manifest is in the offline run's log and ``wandb sync`` uploads it (the same bytes give the same
+    version, so many runs of one bundle make one version). Either way the config's ``policy_bundle``
+    holds the bundle's name, version, policy and digest."""
+    artifact, meta = _bundle_artifact(folder)
     if is_offline():
-        return {**ref, "link": "config"}
-    try:
-        artifact = wandb.Artifact(name, type="policy-bundle", metadata=ref)
-        artifact.add_dir(folder)
-        run.use_artifact(artifact)
-        return {**ref, "link": "use_artifact"}
-    except Exception as exc:  # see _link_artifact
-        print(f"wandb: could not link {folder}: {exc}; referenced in config only", file=sys.stderr)
-        return {**ref, "link": "config"}
+        run.log_artifact(artifact)
+        link = "log_artifact"
+    else:
+        try:
+            run.use_artifact(artifact)
+            link = "use_artifact"
+        except Exception as exc:  # see _link_artifact
+            print(f"wandb: could not link {folder}: {exc}; logged as the run's output", file=sys.stderr)
+            run.log_artifact(artifact)
+            link = "log_artifact"
+    run.config.update({"policy_bundle": {**meta, "link": link}})
+    return {**meta, "link": link}
 
 
 def log_bundle(
@@ -129,19 +144,12 @@ def log_bundle(
     ``wandb sync`` and then resolves as ``wandb:ENTITY/PROJECT/NAME:v0`` (``policies.bundle``)."""
     import wandb
 
-    from policies.bundle import load_policy_bundle
-
     default_to_offline()
-    bundle = load_policy_bundle(folder)
+    artifact, meta = _bundle_artifact(folder)
     Path(wandb_dir).mkdir(parents=True, exist_ok=True)
-    meta = {"policy": bundle.policy, "version": bundle.version, "digest": bundle.digest}
     run = wandb.init(
-        project=project, name=f"bundle|{bundle.name}", job_type="bundle", config=meta, dir=str(wandb_dir)
+        project=project, name=f"bundle|{meta['name']}", job_type="bundle", config=meta, dir=str(wandb_dir)
     )
-    artifact = wandb.Artifact(
-        bundle.name, type="policy-bundle", metadata={**meta, "files": dict(bundle.files)}
-    )
-    artifact.add_dir(str(folder))
     run.log_artifact(artifact)
     where = str(Path(run.dir).parent)
     run.finish()
@@ -192,8 +200,8 @@ def log_runs(
                 for path in paths:
                     artifact.add_file(str(path))
                 run.log_artifact(artifact)
-            for name, folder in rec.input_folders.items():
-                run.config.update({f"input_{name}": _use_folder(run, name, folder)})
+            if rec.policy_bundle is not None:
+                log_bundle_artifact(run, rec.policy_bundle)
             run.summary.update(dict(rec.summary))
             folders.append(str(Path(run.dir).parent))
             run.finish()
