@@ -442,6 +442,7 @@ def test_twice_the_clusters_capacity_for_a_bounded_time_loses_no_request() -> No
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     """The heuristic policy on 2P4D at twice the trace's load (above static saturation: the prefill
     pool is congested and the policy borrows), 60 requests of the synthetic Mooncake trace: through
