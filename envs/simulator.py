@@ -1098,8 +1098,9 @@ class Simulator:
 
     def _credit_short(self, w: DecodeWorker) -> bool:
         """Whether borrowed work on ``w`` took no chunk now only for lack of credit."""
+        need = self._credit_need(w)
         available = min(w.bucket.available_tokens(self.now_s), self.config.prefill_chunk_tokens)
-        return 0 < self._credit_need(w) and available < self._credit_need(w)
+        return 0 < need and available < need
 
     def _credit_iterations(self, w: DecodeWorker, ends: np.ndarray) -> int:
         """Iterations of a credit-waiting jump with ``ends``: up to (including) the one at whose end the

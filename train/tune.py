@@ -39,7 +39,7 @@ from typing import Any, Literal
 from envs.cluster_config import parse_shape
 from policies.catalog import TUNED_FILE, TUNED_FORMAT, load_tuned, policy_names, policy_spec, tuned_params
 from train.cli_types import positive_int
-from train.compare import DEFAULT_SUBSET, same_gpu_splits, time_cap_s, trace_for
+from train.compare import DEFAULT_SUBSET, is_closed_loop, same_gpu_splits, time_cap_s, trace_for
 from train.experiment import Point, run_point
 from train.jsonio import write_json
 from train.saturation import LOAD_BOUNDS, capacity_search, find_capacity, served_slo_share
@@ -63,13 +63,10 @@ SPLIT_SIDE: dict[str, str] = {"development": "dev", "evaluation": "heldout"}
 the held-out side ``compare`` evaluates on."""
 
 
-CLOSED_LOOP_TRACES = frozenset({"agent"})
-"""Bundled traces replayed as sessions (``--max-sessions`` counts them); the others count requests."""
-
-
 def _subset(trace: str, side: Side, max_requests: int | None = None, max_sessions: int | None = None) -> int:
-    """Sessions (closed loop) or requests (open loop) of ``trace`` to replay on ``side``."""
-    chosen = max_sessions if trace in CLOSED_LOOP_TRACES else max_requests
+    """Sessions (closed loop: ``--max-sessions``) or requests (open loop: ``--max-requests``) of
+    ``trace`` to replay on ``side``."""
+    chosen = max_sessions if is_closed_loop(trace) else max_requests
     if chosen is not None:
         return chosen
     return DEV_SUBSET.get(trace, 2000) if side == "development" else DEFAULT_SUBSET.get(trace, 1000)
