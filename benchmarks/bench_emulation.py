@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="routing rule of the simulation (policies.routing; default: the model of the gateway's policy)",
     )
+    p.add_argument(
+        "--same-instant-race",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="model the gateway's race between selection and load accounting in the simulation "
+        "(ClusterConfig.router_same_instant_race; auto: on for smg, off for sglang-router)",
+    )
     args = p.parse_args(argv)
     reason = missing_reason(args.gateway)
     if reason is not None:
@@ -66,20 +73,25 @@ def main(argv: list[str] | None = None) -> int:
     routing = args.simulated_routing or (
         ROUTING[args.gateway] if args.policy == "cache_aware" else args.policy
     )
-    overrides = (("prefill_routing", routing), ("decode_routing", routing))
+    race = args.same_instant_race == "on" or (args.same_instant_race == "auto" and args.gateway == "smg")
+    overrides: tuple[tuple[str, object], ...] = ()
+    if routing != "cache_aware":
+        overrides += (("prefill_routing", routing), ("decode_routing", routing))
+    if race:
+        overrides += (("router_same_instant_race", True),)
     point = Point(
         trace=args.trace,
         shape=args.shape,
         max_requests=args.max_requests,
         load=args.load,
-        cluster_overrides=overrides if routing != "cache_aware" else (),
+        cluster_overrides=overrides,
     )
     trace = prepare_trace(point)
     t0 = time.perf_counter()
     simulated = run_point(point, trace=trace).metrics.to_dict()
     print(
         f"{args.trace} first {args.max_requests}, {args.shape}, load {args.load:g}, static PD; simulate "
-        f"({routing} routing) took {time.perf_counter() - t0:.1f} s"
+        f"({routing} routing{', same-instant race' if race else ''}) took {time.perf_counter() - t0:.1f} s"
     )
     runs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for i in range(args.runs):

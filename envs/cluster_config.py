@@ -65,6 +65,13 @@ class ClusterConfig:
     router_overload_protection: bool = True
     """The gateway leaves out workers its last load poll saw overloaded (smg 1.13.0's default:
     ``policies.routing.OverloadProtection``)."""
+    router_same_instant_race: bool = False
+    """The gateway routes requests that reach it at the same instant on the in-flight counts from
+    before that instant, so a same-instant burst of cache misses lands on one worker
+    (``policies.routing.WorkerPool.same_instant_race``). True reproduces smg 1.13.0 as measured
+    through it (``benchmarks/bench_emulation.py``); off by default, so the static baseline is not
+    handicapped by an implementation race a practitioner would not choose (Crossflow's router counts
+    every dispatch at once)."""
     kv_transfer_bandwidth_bytes_per_s: float = 50e9
     """KV-transfer link of each worker (one NIC): concurrent transfers through a worker share it."""
     kv_transfer_latency_s: float = 0.002

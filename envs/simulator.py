@@ -211,8 +211,9 @@ class Simulator:
         ]
         self._kv_bytes_per_token = float(self.cm.kv_transfer_bytes_per_token)
         # The gateway's view: in-flight counts, routing rules and approximate prefix trees per pool.
-        self.prefill_pool = WorkerPool(config.n_prefill)
-        self.decode_pool = WorkerPool(config.n_decode)
+        race = config.router_same_instant_race
+        self.prefill_pool = WorkerPool(config.n_prefill, same_instant_race=race)
+        self.decode_pool = WorkerPool(config.n_decode, same_instant_race=race)
         self._prefill_router = make_routing_policy(config.prefill_routing)
         self._decode_router = make_routing_policy(config.decode_routing)
         tree_pages = (2**26) // ROUTER_CHARS_PER_TOKEN // page
@@ -439,7 +440,7 @@ class Simulator:
         req.reservation = reservation_id
         req.decode_worker = node_id
         req.prefill_worker = pidx
-        self.decode_pool.dispatched(node_id)
+        self.decode_pool.dispatched(node_id, self.now_s)
         self._decode_tree[node_id].insert(req.rid)
         req.pull = self.scheduler.pull_tokens(req.reservation)
         if req.pull > 0 and pidx < 0:
@@ -485,7 +486,7 @@ class Simulator:
         """A ``local`` decision: ``req`` prefills on decode node ``node`` without a lease."""
         req.path = LOCAL
         req.decode_worker = node
-        self.decode_pool.dispatched(node)
+        self.decode_pool.dispatched(node, self.now_s)
         self._decode_tree[node].insert(req.rid)
         w = self.decode[node]
         w.local.append(req)
@@ -566,6 +567,7 @@ class Simulator:
         says that worker holds (at most ``input - 1``: the last token is always computed)."""
         self._poll_loads()
         tree, pool = self._prefill_tree, self.prefill_pool
+        pool.at(self.now_s)
         matches = self._pool_matches(tree, pool, self._prefill_router, req)
         idx = self._prefill_router.choose(
             pool, req.input, matches, self._route_rng, lambda i: tree[i].used_pages * self.config.page_tokens
@@ -589,6 +591,7 @@ class Simulator:
     def _pick_decode(self, req: ReqState) -> int:
         tree = self._decode_tree
         router = self._decode_router
+        self.decode_pool.at(self.now_s)
         matches = self._pool_matches(tree, self.decode_pool, router, req)
         return router.choose(
             self.decode_pool,
@@ -603,8 +606,8 @@ class Simulator:
         the decode worker when the gateway's pick was made already or a router outside the simulator
         chose it)."""
         didx = self._pick_decode(req) if didx is None else didx
-        self.prefill_pool.dispatched(pidx)
-        self.decode_pool.dispatched(didx)
+        self.prefill_pool.dispatched(pidx, self.now_s)
+        self.decode_pool.dispatched(didx, self.now_s)
         self._prefill_tree[pidx].insert(req.rid)
         self._decode_tree[didx].insert(req.rid)
         pw, w = self.prefill[pidx], self.decode[didx]

@@ -90,12 +90,15 @@ class WorkerPool:
         "_cand_set",
         "_candidates",
         "_heap",
+        "_pending",
+        "_pending_at_s",
         "load",
         "overloaded",
         "processed",
+        "same_instant_race",
     )
 
-    def __init__(self, n_workers: int) -> None:
+    def __init__(self, n_workers: int, *, same_instant_race: bool = False) -> None:
         if n_workers < 1:
             raise ValueError(f"WorkerPool needs at least one worker, got {n_workers}")
         self.load = [0] * n_workers
@@ -112,6 +115,15 @@ class WorkerPool:
         self._heap = [(0, 0, i) for i in range(n_workers)]
         self._by_load: dict[int, list[int]] = {0: list(range(n_workers))}
         """Workers at each in-flight count, ascending."""
+        self.same_instant_race = same_instant_race
+        """Model smg 1.13.0's race between selection and load accounting: dispatches made at one
+        instant become visible to choices made at a later instant only (``dispatched(w, now_s)``
+        defers them; ``at(now_s)`` or any ``finished`` applies them). Measured through smg on the
+        emulated cluster: ten requests that reach it at once go nine to one prefill worker under
+        ``cache_aware`` and under ``least_load``, while the same requests 50 ms apart alternate under
+        ``least_load``. Off (every dispatch visible at once) is how Crossflow's router counts."""
+        self._pending: list[int] = []
+        self._pending_at_s = -math.inf
 
     def __len__(self) -> int:
         return len(self.load)
@@ -157,12 +169,37 @@ class WorkerPool:
             self._heap = [(self.load[i], self.processed[i], i) for i in range(len(self.load))]
             heapq.heapify(self._heap)
 
-    def dispatched(self, worker: int) -> None:
+    def at(self, now_s: float) -> None:
+        """A choice is about to be made at ``now_s``: dispatches deferred from an earlier instant
+        become visible (a no-op unless ``same_instant_race``)."""
+        if self._pending and now_s != self._pending_at_s:
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for worker in pending:
+            self._count_dispatch(worker)
+
+    def dispatched(self, worker: int, now_s: float | None = None) -> None:
+        """A request was sent to ``worker`` (at ``now_s``: needed with ``same_instant_race``, which
+        holds the count back from choices made at that same instant)."""
+        if self.same_instant_race:
+            if now_s is None:
+                raise ValueError("WorkerPool(same_instant_race=True).dispatched needs now_s")
+            self.at(now_s)
+            self._pending.append(worker)
+            self._pending_at_s = now_s
+            return
+        self._count_dispatch(worker)
+
+    def _count_dispatch(self, worker: int) -> None:
         self.load[worker] += 1
         self.processed[worker] += 1
         self._moved(worker, 1)
 
     def finished(self, worker: int) -> None:
+        if self._pending:
+            self._apply_pending()
         if self.load[worker] <= 0:
             raise ValueError(f"worker {worker} has no request in flight to finish")
         self.load[worker] -= 1

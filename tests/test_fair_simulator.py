@@ -256,3 +256,17 @@ def test_decode_jumps_while_borrowed_work_waits_for_credit_are_exact(monkeypatch
     for col in ("first_token_s", "finish_s", "decode_worker", "path", "retractions"):
         np.testing.assert_array_equal(jumped.requests[col], single.requests[col])
     assert jumped.metrics == single.metrics
+
+
+@pytest.mark.parametrize("race", [False, True])
+def test_a_same_instant_burst_herds_only_with_the_gateway_race(race: bool) -> None:
+    """Ten distinct requests at one instant over 2P: alternated by the in-flight counts, or (smg's
+    race, ``router_same_instant_race``) all on one prefill worker; a later request sees them all."""
+    cm = LinearCostModel(base_s=0.01, per_prefill_token_s=1e-5, kv_capacity_tokens=300000)
+    trace = open_trace([(0.0, 2000, 5)] * 10 + [(0.001, 2000, 5)])
+    cfg = _cfg(n_prefill=2, n_decode=2, router_same_instant_race=race)
+    req = Simulator(trace, cfg, cost_model=cm).run().requests  # type: ignore[arg-type]
+    burst = req[req["arrival_s"] == 0.0]["prefill_worker"].value_counts().sort_index().tolist()
+    assert burst == ([10] if race else [5, 5])
+    late = req[req["arrival_s"] > 0.0]["prefill_worker"].item()
+    assert late == (1 if race else 0)

@@ -223,3 +223,39 @@ def test_pool_matches_agree_with_walking_every_worker() -> None:
             }
             assert all(walked[w] == v for w, v in matches.items())
         caches[int(rng.integers(0, 6))].insert(rid)
+
+
+def test_same_instant_race_hides_dispatches_until_a_later_instant() -> None:
+    """smg's race: choices made at one instant see the counts from before it; a later instant sees all."""
+    pool = WorkerPool(2, same_instant_race=True)
+    rule = make_routing_policy("least_load")
+    picks = []
+    for _ in range(3):
+        pool.at(0.0)
+        w = rule.choose(pool, 100, {}, _rng())
+        pool.dispatched(w, 0.0)
+        picks.append(w)
+    assert picks == [0, 0, 0]
+    pool.at(0.5)
+    assert pool.load == [3, 0] and pool.processed == [3, 0]
+    assert rule.choose(pool, 100, {}, _rng()) == 1
+    with pytest.raises(ValueError, match="now_s"):
+        pool.dispatched(1)
+
+
+def test_without_the_race_every_dispatch_counts_at_once() -> None:
+    pool = WorkerPool(2)
+    rule = make_routing_policy("least_load")
+    picks = []
+    for _ in range(4):
+        w = rule.choose(pool, 100, {}, _rng())
+        pool.dispatched(w, 0.0)
+        picks.append(w)
+    assert picks == [0, 1, 0, 1]
+
+
+def test_a_finish_applies_deferred_dispatches_first() -> None:
+    pool = WorkerPool(2, same_instant_race=True)
+    pool.dispatched(1, 0.0)
+    pool.finished(1)  # e.g. a fallback in the same instant: the count is applied, then released
+    assert pool.load == [0, 0] and pool.processed == [0, 1]
