@@ -9,6 +9,7 @@ own simulator recorded for the same requests (the HTTP path's cost is the gap be
 the relative differences of the run medians, the lag of the slowest worker and the wall time.
 
     python benchmarks/bench_emulation.py --trace mooncake --max-requests 200 --time-scale 2 --runs 3
+    python benchmarks/bench_emulation.py --trace mooncake --runs 3 --same-instant-race on
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--same-instant-race",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="model the gateway's race between selection and load accounting in the simulation "
-        "(ClusterConfig.router_same_instant_race; auto: on for smg, off for sglang-router)",
+        choices=("on", "off"),
+        default="off",
+        help="model smg's race between selection and load accounting in the simulation "
+        "(ClusterConfig.router_same_instant_race; default off, as every comparison runs)",
     )
     args = p.parse_args(argv)
     reason = missing_reason(args.gateway)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     routing = args.simulated_routing or (
         ROUTING[args.gateway] if args.policy == "cache_aware" else args.policy
     )
-    race = args.same_instant_race == "on" or (args.same_instant_race == "auto" and args.gateway == "smg")
+    race = args.same_instant_race == "on"
     overrides: tuple[tuple[str, object], ...] = ()
     if routing != "cache_aware":
         overrides += (("prefill_routing", routing), ("decode_routing", routing))
