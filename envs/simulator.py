@@ -1219,7 +1219,19 @@ class Simulator:
             self._try_prealloc(w)
 
     # ---------------------------------------------------------------- control interval
-    def _node_state(self, w: DecodeWorker) -> NodeState:
+    def _prealloc_waiting(self) -> dict[int, tuple[int, int]]:
+        """Per decode worker: KV pre-allocated there for requests still on a prefill worker's queue
+        (not decoding yet), and those requests' output tokens."""
+        out: dict[int, tuple[int, int]] = {}
+        for pw in self.prefill:
+            for r in pw.queue:
+                if r.bootstrapped:
+                    kv, output = out.get(r.decode_worker, (0, 0))
+                    out[r.decode_worker] = (kv + r.kv_held, output + r.output)
+        return out
+
+    def _node_state(self, w: DecodeWorker, waiting: dict[int, tuple[int, int]] | None = None) -> NodeState:
+        """``w``'s state now (``waiting``: ``_prealloc_waiting()`` when the caller has it for every node)."""
         self._sync(w)
         running = [r for r in w.running if not r.needs_recompute]
         n = len(running)
@@ -1235,13 +1247,9 @@ class Simulator:
         decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n)) if n else 0.0
         recent = w.step_time_ns * 1e-9 / w.step_count if w.step_count else 0.0
         recent_decode_only = w.decode_only_ns * 1e-9 / w.step_count if w.step_count else 0.0
-        # KV pre-allocated here for requests still on a prefill worker's queue (not decoding yet)
-        waiting_kv = waiting_output = 0
-        for pw in self.prefill:
-            for r in pw.queue:
-                if r.bootstrapped and r.decode_worker == w.idx:
-                    waiting_kv += r.kv_held
-                    waiting_output += r.output
+        if waiting is None:
+            waiting = self._prealloc_waiting()
+        waiting_kv, waiting_output = waiting.get(w.idx, (0, 0))
         return NodeState(
             node_id=w.idx,
             time_s=self.now_s,
@@ -1267,7 +1275,8 @@ class Simulator:
 
     def node_states(self) -> list[NodeState]:
         """Every decode node's state now (what the scheduler sees each control interval)."""
-        return [self._node_state(w) for w in self.decode]
+        waiting = self._prealloc_waiting()
+        return [self._node_state(w, waiting) for w in self.decode]
 
     def _on_tick(self) -> None:
         assert self.scheduler is not None

@@ -130,6 +130,10 @@ class LeaseBudgets:
         )
 
     def __add__(self, other: LeaseBudgets) -> LeaseBudgets:
+        if other is _ZERO:  # budgets are immutable: adding nothing is the operand itself
+            return self
+        if self is _ZERO:
+            return other
         return LeaseBudgets(
             self.prefill_tokens + other.prefill_tokens,
             self.kv_tokens + other.kv_tokens,

@@ -245,10 +245,11 @@ class LeaseLedger:
     def held(self, node_id: int, *, committed: bool | None = None) -> LeaseBudgets:
         """Total held on ``node_id`` by active reservations (``committed`` filters: True/False/None=all)."""
         with self._lock:
+            entries = self._by_node.get(node_id)
+            if not entries:
+                return LeaseBudgets.zero()
             return LeaseBudgets.total(
-                e.held
-                for e in self._by_node.get(node_id, {}).values()
-                if committed is None or e.committed == committed
+                e.held for e in entries.values() if committed is None or e.committed == committed
             )
 
     def available(self, node_id: int, now_s: float) -> LeaseBudgets:
@@ -262,7 +263,10 @@ class LeaseLedger:
     def pending_ids(self, node_id: int) -> list[int]:
         """Active, un-committed reservation ids on ``node_id`` in id order."""
         with self._lock:
-            return [rid for rid, e in self._by_node.get(node_id, {}).items() if not e.committed]
+            entries = self._by_node.get(node_id)
+            if not entries:
+                return []
+            return [rid for rid, e in entries.items() if not e.committed]
 
     def active_ids(self, node_id: int | None = None) -> list[int]:
         """Active reservation ids (committed or not), optionally for one node, in id order."""
@@ -283,6 +287,8 @@ class LeaseLedger:
             )
         self._grant_from_s[node_id] = now_s
         self._leases[node_id] = lease
+        if not self._by_node.get(node_id):
+            return
         kept = self.held(node_id, committed=True)
         for rid in self.pending_ids(node_id):
             entry = self._active[rid]
