@@ -43,6 +43,7 @@ class _SingleRow:
     call), so LightGBM's own function objects are left as they are."""
 
     def __init__(self, booster: lgb.Booster, n_inputs: int) -> None:
+        self._booster = booster  # the configuration points into it: keep it alive as long as this
         lib = ctypes.CDLL(lgb.basic._LIB._name)
         self._free = lib.LGBM_FastConfigFree
         self._error = lib.LGBM_GetLastError

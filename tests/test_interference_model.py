@@ -322,3 +322,21 @@ def test_the_policies_pass_the_drain_features_of_a_node_state() -> None:
     # A reporter that does not know them leaves None: the predictor reads the mean.
     predict_safe(Recording(), NodeState(**{**state.to_dict(), "remaining_output_tokens_max": None}))
     assert seen[-1]["remaining_output_tokens_max"] is None
+
+
+def test_without_the_c_fast_path_the_single_call_falls_back_to_predict(
+    fitted: tuple[pd.DataFrame, FitResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import interference_model.predictor as predictor_module
+
+    labels, fit = fitted
+    fast = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
+
+    def unavailable(*_: Any) -> None:
+        raise AttributeError("no single-row entry point in this LightGBM build")
+
+    monkeypatch.setattr(predictor_module, "_SingleRow", unavailable)
+    slow = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
+    assert fast.fast_path and not slow.fast_path
+    X = labels[list(FEATURES)].to_numpy()[:20]
+    assert [slow.safe_prefill_tokens_per_s(*r) for r in X] == [fast.safe_prefill_tokens_per_s(*r) for r in X]
