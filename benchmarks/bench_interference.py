@@ -26,7 +26,7 @@ import numpy as np
 
 from envs.profiler import DEFAULT_CHECKPOINT_STEPS, simulate_profiles
 from interference_model.artifact import DEFAULT_ITL_TARGET, library_versions
-from interference_model.evaluate import Targets, check_targets, decision_latency_us, evaluate
+from interference_model.evaluate import Targets, check_targets, evaluate, repeated_latency_us
 from interference_model.fit import FitConfig, fit_interference_model
 from interference_model.labels import DEFAULT_HORIZON_S, LABEL, LeaseLabel, derive_labels
 from interference_model.metrics import accuracy_metrics
@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--itl-target", default=DEFAULT_ITL_TARGET)
     ap.add_argument("--horizon", type=float, default=DEFAULT_HORIZON_S)
-    ap.add_argument("--train-states", type=int, default=8000)
+    ap.add_argument("--train-states", type=int, default=16000)
     ap.add_argument("--test-states", type=int, default=1000)
     ap.add_argument("--test-seed", type=int, default=97)
     ap.add_argument("--repeats", type=int, default=9, help="measurements per profile point")
@@ -71,7 +71,7 @@ def main() -> int:
     t0 = time.perf_counter()
     fit = fit_interference_model(train, label, config)
     fit_s = time.perf_counter() - t0
-    predictor = SafeThroughputPredictor(fit.booster.dump_model(), fit.shift, fit.cap)
+    predictor = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
     meta = {
         "hardware": args.gpu,
         "model": args.model,
@@ -81,12 +81,9 @@ def main() -> int:
     }
     predictors = eval_predictors(meta, test_profiles, train, label, predictor)
     report = evaluate(test, predictors, reference=clean[LABEL].to_numpy())
-    runs = [
-        decision_latency_us(predictor, test[list(FEATURES)].to_numpy(), fit.booster)
-        for _ in range(args.latency_runs)
-    ]
-    latency = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-    latency.update({f"{k}_min": float(min(r[k] for r in runs)) for k in runs[0]})
+    latency = repeated_latency_us(
+        predictor, test[list(FEATURES)].to_numpy(), fit.booster, runs=args.latency_runs
+    )
     report.update(
         {
             "label": str(label),
@@ -99,7 +96,7 @@ def main() -> int:
             "cv_metrics": fit.cv_metrics,
             "conformal_log_shifts": list(fit.shift.log_shifts),
             "feature_importance_gain": fit.feature_importance(),
-            "table_entries": predictor.table_entries,
+            "fast_path": predictor.fast_path,
             "profile_seconds": round(profile_s, 1),
             "fit_seconds": round(fit_s, 1),
             "library_versions": library_versions(),

@@ -29,6 +29,7 @@ from envs.profiler import DEFAULT_CHUNK_SIZES, datasheet_roofline
 from interference_model.baselines import InvertedTimeModel
 from interference_model.fit import LeaseCap
 from interference_model.labels import LeaseLabel
+from interference_model.schema import FEATURES
 from policies.catalog import CROSSFLOW_SOURCE, PolicySpec, policy_spec, register_policy
 from policies.context import PolicyContext
 from policies.node_policies import NODE_POLICIES, HeuristicPolicy, make_heuristic, register_node_policy
@@ -93,9 +94,8 @@ class DatasheetSafeRate:
         row = self._itl.get(batch)
         if row is None:
             n = len(self._contexts)
-            X = np.column_stack(
-                [np.full(n, float(batch)), self._contexts, np.zeros(n), np.zeros(n), np.zeros(n)]
-            )
+            X = np.zeros((n, len(FEATURES)))  # no spread, no remaining output, an empty cache
+            X[:, 0], X[:, 1] = float(batch), self._contexts
             row = self._itl[batch] = np.asarray(self._inverted.predict(X), dtype=float)
         i = min(len(row) - 1, math.ceil(max(0.0, context_tokens_mean) / CONTEXT_STEP_TOKENS))
         return float(row[i])
@@ -107,6 +107,8 @@ class DatasheetSafeRate:
         context_tokens_std: float,
         remaining_output_tokens_mean: float,
         kv_occupancy: float,
+        remaining_output_tokens_max: float | None = None,
+        remaining_output_tokens_context_weighted: float | None = None,
     ) -> float:
         x = np.asarray(
             [

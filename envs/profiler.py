@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from interference_model.baselines import IterationTimer as BaseIterationTimer
+from interference_model.columns import drain_features
 from interference_model.schema import (
     FEATURES,
     PROFILE_COLUMNS,
@@ -150,9 +151,9 @@ def sample_states(
         used = ctx.sum()
         free_share = max(0.0, 1.0 - (used + rem.sum()) / kv_capacity_tokens)
         pinned = min(pinned_g[g], free_share) * kv_capacity_tokens
-        rows.append(
-            (sid, g, n, ctx.mean(), ctx.std(), rem.mean(), min(1.0, (used + pinned) / kv_capacity_tokens))
-        )
+        occupancy = min(1.0, (used + pinned) / kv_capacity_tokens)
+        drain = drain_features(ctx.tolist(), rem.tolist())
+        rows.append((sid, g, n, ctx.mean(), ctx.std(), rem.mean(), occupancy, *drain))
         steps.extend(checkpoint_table(sid, ctx, rem, checkpoint_steps))
     states = pd.DataFrame(rows, columns=["state_id", "state_group", *FEATURES])
     return states, pd.DataFrame(steps, columns=list(STEP_TABLE_COLUMNS))

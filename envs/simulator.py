@@ -75,6 +75,7 @@ from envs.sim_state import (
     ReqState,
     RouterKvLoad,
 )
+from interference_model.columns import drain_features
 from policies.admission import (
     LeaseTokenBucket,
     borrowed_chunk_tokens,
@@ -1242,8 +1243,11 @@ class Simulator:
                 max(0.0, sum(r.context * r.context for r in running) / n - ctx_mean * ctx_mean)
             )
             rem = sum(r.output - r.generated for r in running) / n
+            rem_max, rem_weighted = drain_features(
+                [r.context for r in running], [r.output - r.generated for r in running]
+            )
         else:
-            ctx_mean = ctx_std = rem = 0.0
+            ctx_mean = ctx_std = rem = rem_max = rem_weighted = 0.0
         decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n)) if n else 0.0
         recent = w.step_time_ns * 1e-9 / w.step_count if w.step_count else 0.0
         recent_decode_only = w.decode_only_ns * 1e-9 / w.step_count if w.step_count else 0.0
@@ -1271,6 +1275,8 @@ class Simulator:
             max_running_requests=self.config.max_running_requests,
             kv_prealloc_waiting_tokens=waiting_kv,
             prealloc_waiting_output_tokens=waiting_output,
+            remaining_output_tokens_max=rem_max,
+            remaining_output_tokens_context_weighted=rem_weighted,
         )
 
     def node_states(self) -> list[NodeState]:

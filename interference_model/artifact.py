@@ -6,8 +6,9 @@ node's KV capacity, the conformal shift, the SHA-256 of the training profiles an
 library versions, metrics, and the command that produced it.
 
 Format history: 1 -- the instantaneous label (one iteration); 2 -- the lease label over a horizon
-(``interference_model.labels``), with ``label`` and ``kv_capacity_tokens``. Version 1 artifacts
-predict another quantity and are refused: refit them.
+(``interference_model.labels``), with ``label`` and ``kv_capacity_tokens``; 3 -- the drain features
+(``interference_model.columns.DRAIN_FEATURES``) among the inputs. Older artifacts predict another
+quantity or from other inputs and are refused: refit them.
 :func:`load_predictor` checks all of that and fails with :class:`ArtifactError` naming the file.
 
 Writes are crash-safe per file (temp file + rename), and ``metadata.json`` is written last and
@@ -34,7 +35,7 @@ from interference_model.labels import DEFAULT_HORIZON_S, ItlTarget, LeaseLabel
 from interference_model.predictor import SafeThroughputPredictor
 from interference_model.schema import FEATURES, PROFILE_SCHEMA_VERSION
 
-ARTIFACT_FORMAT_VERSION = 2
+ARTIFACT_FORMAT_VERSION = 3
 MODEL_FILE = "model.txt"
 METADATA_FILE = "metadata.json"
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -140,7 +141,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     if meta.get("format_version") != ARTIFACT_FORMAT_VERSION:
         raise ArtifactError(
             f"{meta_path}: field 'format_version' is {meta.get('format_version')!r}; this code "
-            f"reads version {ARTIFACT_FORMAT_VERSION} (the lease label); refit with "
+            f"reads version {ARTIFACT_FORMAT_VERSION} (the lease label with drain features); refit with "
             "`crossflow fit-interference`"
         )
     required = (
@@ -231,7 +232,7 @@ def load_predictor(
         cap = LeaseCap(
             artifact_label(meta), float(meta["kv_capacity_tokens"]), float(meta["min_rate_tokens_per_s"])
         )
-        return SafeThroughputPredictor(booster.dump_model(), shift, cap, meta)
+        return SafeThroughputPredictor(booster, shift, cap, meta)
     except (lgb.basic.LightGBMError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{model_path}: cannot be compiled into a predictor ({exc})") from exc
 

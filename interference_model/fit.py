@@ -26,11 +26,12 @@ prediction, so those states do not inflate it.
 A quantile objective (``quantile_alpha``) is available instead of L2, but LightGBM refuses monotone
 constraints with it (it re-fits leaf values after the split search), so it needs ``monotone=False``.
 
-Monotone constraints encode physics that holds for the ITL part: it never rises with remaining
-output (the batch stays longer) or KV occupancy (a fuller cache never speeds a step up); with an
-*absolute* ITL target it never rises with batch size or mean context either (more decode work
-leaves less time). With a *ratio* target the budget grows with the decode step itself, so batch and
-context are left free.
+Monotone constraints encode physics that holds for the ITL part: it never rises with the mean
+remaining output at a fixed longest one (the batch stays longer) or with KV occupancy (a fuller cache
+never speeds a step up); with an *absolute* ITL target it never rises with batch size or mean context
+either (more decode work leaves less time). With a *ratio* target the budget grows with the decode
+step itself, so batch and context are left free. The drain features are free too
+(:func:`physical_monotone_constraints` says why).
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ def physical_monotone_constraints(label: LeaseLabel) -> tuple[int, ...]:
         "context_tokens_std": 0,
         "remaining_output_tokens_mean": -1,
         "kv_occupancy": -1,
+        # At a fixed mean, a longer longest output means the others leave sooner, and the label holds
+        # the last request left: neither drain feature moves the label one way.
+        "remaining_output_tokens_max": 0,
+        "remaining_output_tokens_context_weighted": 0,
         "context_tokens_sum": -1 if absolute else 0,
     }
     return tuple(by_name[f] for f in MODEL_FEATURES)

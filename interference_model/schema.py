@@ -23,6 +23,9 @@ Version history:
 * 1 -- first version: one measurement point per state.
 * 2 -- checkpoint columns (``STEP_COLUMNS``). They are optional on read: a table without them (any
   version) is read as measured at step 0 only, with the step columns derived from the state.
+* 3 -- how the batch drains (``DRAIN_FEATURES``: longest and context-weighted remaining output).
+  Optional on read: a table without them (any version) reads both as the mean remaining output
+  (``interference_model.columns.DRAIN_FEATURES`` says why that is exact or conservative).
 """
 
 from __future__ import annotations
@@ -35,9 +38,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from interference_model.columns import FEATURES, PROFILE_COLUMNS, PROFILE_SCHEMA_VERSION, STEP_COLUMNS
+from interference_model.columns import (
+    DRAIN_FEATURES,
+    FEATURES,
+    PROFILE_COLUMNS,
+    PROFILE_SCHEMA_VERSION,
+    STEP_COLUMNS,
+)
 
 __all__ = [
+    "DRAIN_FEATURES",
     "FEATURES",
     "PROFILE_COLUMNS",
     "PROFILE_SCHEMA_VERSION",
@@ -49,7 +59,7 @@ __all__ = [
     "write_profiles",
 ]
 
-READABLE_VERSIONS: tuple[int, ...] = (1, 2)
+READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3)
 
 STRING_COLUMNS: tuple[str, ...] = ("source", "hardware", "model")
 """``source``: ``"sim"`` (simulated profiler), ``"torch"`` (torch layer stack), ``"sglang"`` (live worker)."""
@@ -75,6 +85,8 @@ FLOAT_COLUMNS: dict[str, tuple[float, float]] = {
     "context_tokens_std": (0.0, np.inf),
     "remaining_output_tokens_mean": (0.0, np.inf),
     "kv_occupancy": (0.0, 1.0),
+    "remaining_output_tokens_max": (0.0, np.inf),
+    "remaining_output_tokens_context_weighted": (0.0, np.inf),
     "step_context_tokens": (0.0, np.inf),
     "iteration_time_s": (0.0, np.inf),
     "decode_only_time_s": (0.0, np.inf),
@@ -125,13 +137,23 @@ def _with_step_columns(df: pd.DataFrame, source: str) -> pd.DataFrame:
             f"{source}: has step column(s) {present_steps} but not "
             f"{[c for c in STEP_COLUMNS if c not in df.columns]}; give all of {list(STEP_COLUMNS)} or none"
         )
-    missing = [c for c in PROFILE_COLUMNS if c not in df.columns and c not in STEP_COLUMNS]
+    present_drain = [c for c in DRAIN_FEATURES if c in df.columns]
+    if present_drain and len(present_drain) != len(DRAIN_FEATURES):
+        raise ProfileSchemaError(
+            f"{source}: has column(s) {present_drain} but not "
+            f"{[c for c in DRAIN_FEATURES if c not in df.columns]}; "
+            f"give all of {list(DRAIN_FEATURES)} or none"
+        )
+    optional = (*STEP_COLUMNS, *DRAIN_FEATURES)
+    missing = [c for c in PROFILE_COLUMNS if c not in df.columns and c not in optional]
     if missing:
         raise ProfileSchemaError(
             f"{source}: missing column(s) {missing}; a profile needs {list(PROFILE_COLUMNS)}"
         )
     if len(df) == 0:
         raise ProfileSchemaError(f"{source}: no rows")
+    if not present_drain:
+        df = df.assign(**{c: df["remaining_output_tokens_mean"] for c in DRAIN_FEATURES})
     return df if present_steps else df.assign(**step_zero_columns(df))
 
 
@@ -181,6 +203,16 @@ def validate_profiles(df: pd.DataFrame, source: str = "<profiles>") -> pd.DataFr
             if len(bad):
                 _fail(source, col, bad, raw, "must be > 0 seconds")
         out[col] = raw
+    mean = out["remaining_output_tokens_mean"].to_numpy()
+    bad = np.flatnonzero(out["remaining_output_tokens_max"].to_numpy() < mean * (1.0 - 1e-9) - 1e-6)
+    if len(bad):
+        _fail(
+            source,
+            "remaining_output_tokens_max",
+            bad,
+            out["remaining_output_tokens_max"].to_numpy(),
+            "must be >= remaining_output_tokens_mean (the longest remaining output)",
+        )
     _check_state_consistency(out, source)
     return out[list(PROFILE_COLUMNS)]
 

@@ -56,6 +56,8 @@ class SafePrefillPredictor(Protocol):
         context_tokens_std: float,
         remaining_output_tokens_mean: float,
         kv_occupancy: float,
+        remaining_output_tokens_max: float | None = None,
+        remaining_output_tokens_context_weighted: float | None = None,
     ) -> float: ...
 
 
@@ -317,6 +319,8 @@ def predict_safe(predictor: SafePrefillPredictor, state: NodeState) -> float:
             context_tokens_std=state.context_tokens_std,
             remaining_output_tokens_mean=state.remaining_output_tokens_mean,
             kv_occupancy=state.kv_occupancy,
+            remaining_output_tokens_max=state.remaining_output_tokens_max,
+            remaining_output_tokens_context_weighted=state.remaining_output_tokens_context_weighted,
         )
     )
     return value if math.isfinite(value) and value > 0 else 0.0

@@ -53,6 +53,14 @@ class NodeState:
     their KV has arrived (0 when the reporter does not know)."""
     prealloc_waiting_output_tokens: int = 0
     """Expected output tokens of those requests: the KV they will grow by once they decode."""
+    remaining_output_tokens_max: float | None = None
+    """Longest remaining output (expected) of the running requests: when the batch is gone. ``None``
+    when the reporter does not know; read as ``remaining_output_tokens_mean`` (every request ends
+    together), which the interference model answers less accurately: every reporter here fills it."""
+    remaining_output_tokens_context_weighted: float | None = None
+    """``sum(context x remaining output) / sum(context)`` over the running requests: how long the
+    KV-heavy requests stay (``interference_model.columns.drain_features``). ``None``: unknown, read as
+    ``remaining_output_tokens_mean``."""
 
     @property
     def kv_decoding_occupancy(self) -> float:

@@ -90,6 +90,8 @@ class ConstantPredictor:
         context_tokens_std: float,
         remaining_output_tokens_mean: float,
         kv_occupancy: float,
+        remaining_output_tokens_max: float | None = None,
+        remaining_output_tokens_context_weighted: float | None = None,
     ) -> float:
         return self.tokens_per_s
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -208,3 +209,40 @@ def test_a_fit_on_too_few_states_names_the_profiles_file(
     err = capsys.readouterr().err
     assert code == 2 and "few.parquet: need at least 5 state groups" in err
     assert not (tmp_path / "m").exists()
+
+
+def test_the_simulator_reports_how_each_batch_drains() -> None:
+    """Every control interval, the node states' drain features are those of the running requests."""
+    from envs.cluster_config import ClusterConfig
+    from envs.cost_model import CostModel
+    from envs.estimator import ClusterEstimator
+    from envs.simulator import Simulator
+    from policies.ledger import LeaseLedger
+    from policies.node_policies import HeuristicPolicy
+    from policies.scheduler import ClusterScheduler
+    from tests.fakes import ConstantPredictor, session_trace
+
+    checked: list[int] = []
+
+    class Checking(ClusterScheduler):
+        def on_control_interval(self, now_s: float, states: Any) -> Any:
+            for state, worker in zip(states, sim.decode, strict=True):
+                running = [r for r in worker.running if not r.needs_recompute]
+                if len(running) < 2:
+                    continue
+                rem = [r.output - r.generated for r in running]
+                ctx = [r.context for r in running]
+                assert state.remaining_output_tokens_max == max(rem)
+                weighted = sum(c * r for c, r in zip(ctx, rem, strict=True)) / sum(ctx)
+                assert state.remaining_output_tokens_context_weighted == pytest.approx(weighted)
+                checked.append(len(running))
+            return super().on_control_interval(now_s, states)
+
+    trace = session_trace(n_sessions=6, turns=2, first_input=2000, grow=1000, output=120, think_s=0.2)
+    cfg = ClusterConfig(n_prefill=1, n_decode=1, page_tokens=256, control_interval_s=0.1)
+    cm = CostModel(cfg.gpu, cfg.model, cfg.tp)
+    policy = HeuristicPolicy(ConstantPredictor(10_000.0), ttl_s=2.0)
+    scheduler = Checking(policy, LeaseLedger(), ClusterEstimator(cfg, cm), control_interval_s=0.1)
+    sim = Simulator(trace, cfg, scheduler=scheduler, cost_model=cm, session_rate_per_s=20.0, seed=1)
+    sim.run()
+    assert checked, "no control interval saw a batch of two or more"

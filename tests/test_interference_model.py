@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -158,7 +160,7 @@ def test_lease_cap_floors_then_caps_by_kv_room() -> None:
 def test_fast_predictor_applies_per_bin_shift(fitted: tuple[pd.DataFrame, FitResult]) -> None:
     labels, fit = fitted
     shift = ConformalShift((4.0, 32.0), (0.3, -0.1, 0.05))
-    pred = SafeThroughputPredictor(fit.booster.dump_model(), shift, fit.cap)
+    pred = SafeThroughputPredictor(fit.booster, shift, fit.cap)
     X = labels[list(FEATURES)].to_numpy()
     raw = fit.booster.predict(model_inputs(X))
     want = fit.cap.apply(np.expm1(raw - shift.for_batch(X[:, 0])), X)
@@ -205,12 +207,23 @@ def test_fast_predictor_equals_lightgbm(artifact: Path, fitted: tuple[pd.DataFra
         pred.raw_predict(X), fit.booster.predict(model_inputs(X)), rtol=1e-9, atol=1e-12
     )
     np.testing.assert_allclose(pred.predict(X), fit.predict(X), rtol=1e-6)
+    assert pred.fast_path  # LightGBM's C single-row path, not the slow fallback
     singles = np.array([pred.safe_prefill_tokens_per_s(*row) for row in X[:50]])
-    np.testing.assert_allclose(singles, fit.predict(X[:50]), rtol=1e-6)
-    thresholds = pred._global[0]
-    edge = np.repeat(X[:1], len(thresholds), 0)
-    edge[:, 0] = thresholds
-    np.testing.assert_allclose(pred.raw_predict(edge), fit.booster.predict(model_inputs(edge)), rtol=1e-9)
+    np.testing.assert_allclose(singles, fit.predict(X[:50]), rtol=1e-9)
+    # Exact split thresholds (the `<=` boundary) of the first tree, through the single call.
+    tree = fit.booster.dump_model()["tree_info"][0]["tree_structure"]
+    j, threshold = tree["split_feature"], tree["threshold"]
+    if j < len(FEATURES):
+        edge = X[:3].copy()
+        edge[:, j] = threshold
+        singles = [pred.safe_prefill_tokens_per_s(*row) for row in edge]
+        np.testing.assert_allclose(singles, fit.predict(edge), rtol=1e-9)
+    # The drain features default to the mean remaining output; a pickled predictor answers the same.
+    row = X[0].copy()
+    row[5] = row[6] = row[3]
+    assert pred.safe_prefill_tokens_per_s(*row[:5]) == pred.safe_prefill_tokens_per_s(*row)
+    again = pickle.loads(pickle.dumps(pred))
+    assert again.safe_prefill_tokens_per_s(*X[1]) == pred.safe_prefill_tokens_per_s(*X[1])
     with pytest.raises(ValueError, match="finite"):
         pred.safe_prefill_tokens_per_s(4, float("nan"), 0, 0, 0.1)
     with pytest.raises(ValueError, match="in FEATURES order"):
@@ -283,3 +296,47 @@ def test_an_artifact_of_the_instantaneous_label_is_refused(artifact: Path) -> No
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(ArtifactError, match=r"format_version' is 1.*refit"):
         load_predictor(artifact)
+
+
+def test_the_policies_pass_the_drain_features_of_a_node_state() -> None:
+    from policies.node_policies import predict_safe
+    from policies.node_state import NodeState
+
+    seen: list[dict[str, Any]] = []
+
+    class Recording:
+        def safe_prefill_tokens_per_s(self, **kwargs: Any) -> float:
+            seen.append(kwargs)
+            return 123.0
+
+    state = NodeState(
+        node_id=0, time_s=0.0, decode_batch_size=2, context_tokens_mean=2000.0, context_tokens_std=1000.0,
+        remaining_output_tokens_mean=30.0, kv_capacity_tokens=100_000, kv_used_tokens=4000,
+        kv_reserved_tokens=0, queued_decode_requests=0, borrowed_tasks=0, borrowed_prefill_tokens_queued=0,
+        recent_step_time_s=0.0, decode_only_step_time_s=0.01, max_running_requests=8,
+        remaining_output_tokens_max=50.0, remaining_output_tokens_context_weighted=40.0,
+    )
+    assert predict_safe(Recording(), state) == 123.0
+    assert seen[-1]["remaining_output_tokens_max"] == 50.0
+    assert seen[-1]["remaining_output_tokens_context_weighted"] == 40.0
+    # A reporter that does not know them leaves None: the predictor reads the mean.
+    predict_safe(Recording(), NodeState(**{**state.to_dict(), "remaining_output_tokens_max": None}))
+    assert seen[-1]["remaining_output_tokens_max"] is None
+
+
+def test_without_the_c_fast_path_the_single_call_falls_back_to_predict(
+    fitted: tuple[pd.DataFrame, FitResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import interference_model.predictor as predictor_module
+
+    labels, fit = fitted
+    fast = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
+
+    def unavailable(*_: Any) -> None:
+        raise AttributeError("no single-row entry point in this LightGBM build")
+
+    monkeypatch.setattr(predictor_module, "_SingleRow", unavailable)
+    slow = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
+    assert fast.fast_path and not slow.fast_path
+    X = labels[list(FEATURES)].to_numpy()[:20]
+    assert [slow.safe_prefill_tokens_per_s(*r) for r in X] == [fast.safe_prefill_tokens_per_s(*r) for r in X]

@@ -149,3 +149,21 @@ def test_csv_round_trip(tmp_path: Path) -> None:
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ProfileSchemaError, match=r"bad.csv: missing column"):
         read_profiles(tmp_path / "bad.csv")
+
+
+def test_drain_columns_are_optional_and_checked() -> None:
+    # Without them (a version-2 table, the live profiler's) both read as the mean remaining output.
+    out = validate_profiles(tiny_profile().assign(schema_version=2))
+    np.testing.assert_array_equal(out["remaining_output_tokens_max"], out["remaining_output_tokens_mean"])
+    np.testing.assert_array_equal(
+        out["remaining_output_tokens_context_weighted"], out["remaining_output_tokens_mean"]
+    )
+    with pytest.raises(ProfileSchemaError, match="give all of"):
+        validate_profiles(tiny_profile().assign(remaining_output_tokens_max=150.0))
+    given = tiny_profile().assign(
+        remaining_output_tokens_max=150.0, remaining_output_tokens_context_weighted=90.0
+    )
+    assert (validate_profiles(given)["remaining_output_tokens_max"] == 150.0).all()
+    short = given.assign(remaining_output_tokens_max=[150.0, 150.0, 99.0, 99.0])
+    with pytest.raises(ProfileSchemaError, match=r"'remaining_output_tokens_max' row 2: must be >= rem"):
+        validate_profiles(short)

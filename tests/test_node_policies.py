@@ -36,6 +36,8 @@ class FakePredictor:
         context_tokens_std: float,
         remaining_output_tokens_mean: float,
         kv_occupancy: float,
+        remaining_output_tokens_max: float | None = None,
+        remaining_output_tokens_context_weighted: float | None = None,
     ) -> float:
         self.calls.append(
             dict(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from envs.profiler import checkpoint_table, simulate_profiles
+from interference_model.columns import drain_features
 from tests.test_interference_model import FakeCostModel
 
 
@@ -55,3 +56,29 @@ def test_bad_checkpoints_are_refused() -> None:
     for steps in ((10, 20), (0, 20, 20), (0, 30, 20), ()):
         with pytest.raises(ValueError, match="checkpoint_steps"):
             simulate_profiles("FAKE", "m", 1, 4, seed=0, cost_model=FakeCostModel(), checkpoint_steps=steps)
+
+
+def test_drain_features_by_hand() -> None:
+    # Two requests: contexts 1,000 and 3,000, remaining 10 and 50 tokens.
+    # Longest 50; context-weighted (1000 * 10 + 3000 * 50) / 4000 = 40 (the plain mean is 30).
+    assert drain_features([1000.0, 3000.0], [10.0, 50.0]) == (50.0, 40.0)
+    assert drain_features([], []) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        drain_features([1.0, 2.0], [1.0])
+
+
+def test_sampled_drain_features_agree_with_the_checkpoints() -> None:
+    """The longest remaining output is when the batch is gone: some request still runs at every
+    recorded checkpoint below it, and none at the first default checkpoint at or past it."""
+    steps = (0, 16, 32, 64, 128, 256)
+    df = simulate_profiles(
+        "FAKE", "m", 1, 60, seed=3, repeats=1, noise=None, cost_model=FakeCostModel(),
+        chunk_sizes=(64,), checkpoint_steps=steps,
+    )
+    cp = df.drop_duplicates(["state_id", "decode_step"])
+    assert (df["remaining_output_tokens_max"] >= df["remaining_output_tokens_mean"]).all()
+    assert (df["remaining_output_tokens_context_weighted"] <= df["remaining_output_tokens_max"]).all()
+    for _, state in cp.groupby("state_id"):
+        longest = float(state["remaining_output_tokens_max"].iloc[0])
+        measured = set(state["decode_step"])
+        assert measured == {k for k in steps if k < longest}

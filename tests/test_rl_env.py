@@ -35,6 +35,8 @@ class FakePredictor:
         context_tokens_std: float,
         remaining_output_tokens_mean: float,
         kv_occupancy: float,
+        remaining_output_tokens_max: float | None = None,
+        remaining_output_tokens_context_weighted: float | None = None,
     ) -> float:
         return max(0.0, 20_000.0 * (1.0 - decode_batch_size / 64.0))
 

@@ -378,7 +378,7 @@ def test_queued_borrowed_work_keeps_the_worker_busy(installed: sg.HookRegistry) 
 def test_node_state_reaches_the_lease_agent_through_server_info(installed: sg.HookRegistry) -> None:
     scheduler, cluster = _worker(kv_tokens=20_000, reserved_decode_tokens=64)
     _lease(scheduler, ttl_s=100.0)
-    cluster.run(30, [(0, _req("p1", 400, 100, borrowed=False)), (0, _req("p2", 600, 100, borrowed=False))])
+    cluster.run(30, [(0, _req("p1", 400, 100, borrowed=False)), (0, _req("p2", 600, 160, borrowed=False))])
     scheduler._add_request_to_queue(_req("b1", 300, 5, borrowed=True))
     state = scheduler.get_internal_state(sg.GetInternalStateReq()).internal_state
     assert state["max_running_requests"] == 8, "SGLang's own state stays"
@@ -386,6 +386,14 @@ def test_node_state_reaches_the_lease_agent_through_server_info(installed: sg.Ho
     assert ns.node_id == 3 and ns.decode_batch_size == 2
     assert ns.context_tokens_mean == pytest.approx(
         (400 + 600) / 2 + len(scheduler.running_batch.reqs[0].output_ids)
+    )
+    # How the batch drains: the longest remaining output, and the context-weighted one.
+    reqs = scheduler.running_batch.reqs
+    ctx = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+    rem = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in reqs]
+    assert ns.remaining_output_tokens_max == max(rem)
+    assert ns.remaining_output_tokens_context_weighted == pytest.approx(
+        sum(c * r for c, r in zip(ctx, rem, strict=True)) / sum(ctx)
     )
     assert ns.borrowed_tasks == 1 and ns.borrowed_prefill_tokens_queued == 300
     assert ns.kv_capacity_tokens == 20_000 and ns.kv_used_tokens == scheduler.allocator.used

@@ -8,6 +8,7 @@ command returns an exit code and, with ``--json PATH``, writes its figures machi
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import time
 from pathlib import Path
@@ -344,6 +345,12 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         help="noise-free profiles of the same states (profile --no-noise, same seed): a second truth",
     )
     p.add_argument("--plots", default=None, help="folder for calibration.png and error_by_region.png")
+    p.add_argument(
+        "--latency-runs",
+        type=positive_int,
+        default=1,
+        help="repeat the single-decision latency measurement and report the median (default 1)",
+    )
     p.add_argument("--json", default=None, help="write the full report as JSON here")
     p.set_defaults(func=run_eval)
     return p
@@ -414,8 +421,12 @@ def print_report(report: dict[str, Any]) -> None:
     )
     lat = report["latency_us"]
     print(
-        f"single decision: fast predictor {lat['fast_predictor_us']:.1f} us, "
-        f"LightGBM predict on one thread {lat.get('lightgbm_one_thread_us', float('nan')):.0f} us"
+        f"single decision: fast predictor {lat['fast_predictor_cpu_us']:.1f} us CPU "
+        f"({lat['fast_predictor_us']:.1f} us wall-clock), LightGBM predict on one thread "
+        f"{lat.get('lightgbm_one_thread_cpu_us', float('nan')):.0f} us CPU "
+        f"({lat.get('lightgbm_one_thread_us', float('nan')):.0f} us wall-clock); median of "
+        f"{int(lat.get('runs', 1))} run(s), load average {lat.get('load_average', os.getloadavg()[0]):.1f} "
+        f"on {os.cpu_count()} cores"
     )
     for t in report["targets"]:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
@@ -425,7 +436,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     from interference_model.artifact import artifact_label, load_booster, load_predictor
-    from interference_model.evaluate import Targets, check_targets, decision_latency_us, evaluate
+    from interference_model.evaluate import Targets, check_targets, evaluate, repeated_latency_us
     from interference_model.labels import LABEL, derive_labels
     from interference_model.schema import FEATURES, read_profiles
 
@@ -456,7 +467,9 @@ def run_eval(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.reference_profiles}: states differ from {args.profiles} (same seed?)")
         reference = ref[LABEL].to_numpy()
     report = evaluate(labels, predictors, plot_dir=args.plots, reference=reference)
-    latency = decision_latency_us(predictor, labels[list(FEATURES)].to_numpy(), load_booster(args.artifact))
+    latency = repeated_latency_us(
+        predictor, labels[list(FEATURES)].to_numpy(), load_booster(args.artifact), runs=args.latency_runs
+    )
     targets = Targets()
     report.update(
         {

@@ -51,7 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from envs.cost_model import CostModel, attention_projection_shapes  # noqa: E402
 from envs.hardware import GPUS, ModelSpec, get_model  # noqa: E402
-from interference_model.columns import PROFILE_COLUMNS, PROFILE_SCHEMA_VERSION  # noqa: E402
+from interference_model.columns import PROFILE_COLUMNS, PROFILE_SCHEMA_VERSION, drain_features  # noqa: E402
 
 STATS = ("min", "max", "mean", "median", "std")
 
@@ -577,6 +577,7 @@ def profile_rows(
                 continue
             for rem_mean in sweep.state_remaining:
                 remaining = remaining_outputs(batch, rem_mean)
+                rem_max, rem_weighted = drain_features([ctx] * batch, remaining)
                 occupancy = batch * ctx / capacity
                 for step in sweep.checkpoints:
                     alive = sum(r > step for r in remaining)
@@ -606,6 +607,8 @@ def profile_rows(
                                     "context_tokens_std": 0.0,
                                     "remaining_output_tokens_mean": statistics.fmean(remaining),
                                     "kv_occupancy": min(occupancy, 1.0),
+                                    "remaining_output_tokens_max": rem_max,
+                                    "remaining_output_tokens_context_weighted": rem_weighted,
                                     "kv_capacity_tokens": capacity,
                                     "decode_step": step,
                                     "step_batch_size": alive,

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from interference_model.columns import drain_features
 from policies.admission import LocalPrefillAdmission, borrowed_start_blocked, prealloc_fits
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
@@ -502,6 +503,7 @@ class LocalPrefill:
         if chunked is not None:
             queued_tokens += len(chunked.origin_input_ids) - chunked.extend_end
         recent_s, decode_only_s = self._steps.take()
+        drain = drain_features(contexts.tolist(), remaining.tolist())
         return NodeState(
             node_id=self.config.node_id,
             time_s=self.api.monotonic_ns() * 1e-9,
@@ -509,6 +511,8 @@ class LocalPrefill:
             context_tokens_mean=float(contexts.mean()) if len(reqs) else 0.0,
             context_tokens_std=float(contexts.std()) if len(reqs) else 0.0,
             remaining_output_tokens_mean=float(remaining.mean()) if len(reqs) else 0.0,
+            remaining_output_tokens_max=drain[0],
+            remaining_output_tokens_context_weighted=drain[1],
             kv_capacity_tokens=capacity,
             kv_used_tokens=max(0, capacity - free),
             kv_reserved_tokens=prealloc.num_reserved_decode_tokens * prealloc._active_req_count(),
