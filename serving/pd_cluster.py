@@ -466,7 +466,9 @@ class PDWorker:
         self.cluster = cluster
         self.role: Role = role
         self.idx = idx
-        self.http = HttpServer(self._route, cluster.host, port)
+        # keep-alive as SGLang's uvicorn: a gateway's pooled connections are reused (a stream still
+        # ends its connection)
+        self.http = HttpServer(self._route, cluster.host, port, keep_alive=True)
         self.bootstrap = BootstrapServer(cluster.host, bootstrap_port or 0) if role == "prefill" else None
         self.requests_total = 0
         self.prompt_tokens_total = 0

@@ -99,6 +99,7 @@ from serving.resilience import (
     RetryConfig,
     is_retryable,
 )
+from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 if TYPE_CHECKING:
     from policies.bundle import PolicyBundle
@@ -117,7 +118,6 @@ STATE_FRESH_INTERVALS = 1.5
 
 _APIS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _API_PATHS = {api: path for path, api in _APIS.items()}
-_JSON = {"content-type": "application/json"}
 
 
 class SchedulerLike(Protocol):
@@ -452,8 +452,13 @@ class Router:
         """Active borrow reservations (policy generation, reservation id) -> their node (to label
         revocations; ids of two policies' ledgers may coincide)."""
         self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
-        self.control = HttpServer(self._control_route, config.control_host, config.control_port)
+        self.control = HttpServer(
+            self._control_route, config.control_host, config.control_port, keep_alive=True
+        )
         self.client: httpx.AsyncClient | None = None
+        """For the background loops (health checks, load polls)."""
+        self.upstream: UpstreamClient | None = None
+        """For the requests' legs and aborts: keep-alive pools per worker (``serving.upstream``)."""
         self._t0 = time.perf_counter()
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics()
@@ -475,6 +480,7 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=5.0)
         self.client = httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
+        self.upstream = UpstreamClient(timeout_s=self.config.request_timeout_s, connect_timeout_s=5.0)
         self._t0 = time.perf_counter()
         await self.http.start()
         await self.control.start()
@@ -505,6 +511,8 @@ class Router:
         await self.control.stop()
         if self.client is not None:
             await self.client.aclose()
+        if self.upstream is not None:
+            await self.upstream.aclose()
 
     # ---------------------------------------------------------------- metrics
     def _metrics(self) -> None:
@@ -960,23 +968,21 @@ class Router:
     async def _cancel_leg(self, task: asyncio.Task[Any], w: Worker, rid: str) -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        assert self.client is not None
-        with contextlib.suppress(httpx.HTTPError):
-            await self.client.post(w.url + "/abort_request", json={"rid": rid}, timeout=5.0)
+        assert self.upstream is not None
+        with contextlib.suppress(UpstreamError):
+            await self.upstream.post_json(w.url + "/abort_request", {"rid": rid}, timeout_s=5.0)
 
     async def _prefill_leg(self, p: Worker, body: dict[str, Any], api: str) -> None:
-        assert self.client is not None
+        assert self.upstream is not None
         try:
-            resp = await self.client.post(p.url + _API_PATHS[api], content=dumps(body), headers=_JSON)
-        except httpx.HTTPError as exc:
+            status, content = await self.upstream.post_json(p.url + _API_PATHS[api], body)
+        except UpstreamError as exc:
             p.breaker.record(False)
-            raise LegFailed(
-                0, f"prefill worker {p.url}: {type(exc).__name__}: {exc}", p, transport=True
-            ) from None
+            raise LegFailed(0, f"prefill worker {p.url}: {exc}", p, transport=True) from None
         problem = (
-            _event_error(_json_or_none(resp.content))
-            if resp.status_code == 200
-            else (resp.status_code, resp.text[:500])
+            _event_error(_json_or_none(content))
+            if status == 200
+            else (status, content.decode(errors="replace")[:500])
         )
         p.breaker.record(problem is None or not is_retryable(problem[0]))
         if problem is not None:
@@ -1030,26 +1036,23 @@ class Router:
     ) -> int:
         """Send ``body`` to decode worker ``d`` and relay its answer to the client; ``LegFailed``
         before the first token (nothing was sent to the client then)."""
-        assert self.client is not None
+        assert self.upstream is not None
         api = flight.gen.api
         url = d.url + _API_PATHS[api]
         sent_s = time.perf_counter()
         scale = self.config.time_scale
         try:
-            request = self.client.build_request("POST", url, content=dumps(body), headers=_JSON)
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self.upstream.request("POST", url, dumps(body), headers=JSON_HEADERS)
+        except UpstreamError as exc:
             d.breaker.record(False)
-            raise LegFailed(
-                0, f"decode worker {d.url}: {type(exc).__name__}: {exc}", d, transport=True
-            ) from None
+            raise LegFailed(0, f"decode worker {d.url}: {exc}", d, transport=True) from None
         try:
-            if resp.status_code != 200 or not flight.gen.stream:
-                whole = await resp.aread()
+            if resp.status != 200 or not flight.gen.stream:
+                whole = await resp.read()
                 problem = (
                     _event_error(_json_or_none(whole))
-                    if resp.status_code == 200
-                    else (resp.status_code, whole.decode(errors="replace")[:500])
+                    if resp.status == 200
+                    else (resp.status, whole.decode(errors="replace")[:500])
                 )
                 if problem is not None:
                     d.breaker.record(self._worker_fine(problem[0], path))
@@ -1061,7 +1064,7 @@ class Router:
                 self.m_completed.inc(path)
                 return 200
             last_s, last_tokens, done = sent_s, 0, False
-            async for line in resp.aiter_lines():
+            async for line in resp.lines():
                 data = _sse_data(line)
                 if data is None:
                     continue
@@ -1091,17 +1094,15 @@ class Router:
                 last_s = now
                 await client.send(data)
             if not done:
-                raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+                raise UpstreamError("RemoteProtocolError: the stream ended without [DONE]")
             await client.done()
             self.m_completed.inc(path)
             return 200
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             d.breaker.record(False)
-            raise LegFailed(
-                0, f"decode worker {d.url}: {type(exc).__name__}: {exc}", d, transport=True
-            ) from None
+            raise LegFailed(0, f"decode worker {d.url}: {exc}", d, transport=True) from None
         finally:
-            await resp.aclose()
+            await resp.close()
 
 
 def _json_or_none(data: bytes) -> Any:
