@@ -99,6 +99,7 @@ from serving.resilience import (
     RetryConfig,
     is_retryable,
 )
+from serving.sglang_plugin.wire import MARKER_FIELD
 from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 if TYPE_CHECKING:
@@ -355,6 +356,8 @@ class _Flight:
     request_id: int
     gen: Generation
     hashes: list[int]
+    common_json: bytes = b"{}"
+    """The client's body without the fields each leg sets (``_LEG_FIELDS``), encoded once."""
     prefill: Worker | None = None
     decode: Worker | None = None
     prefill_entry: int | None = None
@@ -799,7 +802,8 @@ class Router:
             await send_json(writer, exc.status, {"error": {"message": exc.message, "code": exc.status}})
             return
         self._next_id += 1
-        flight = _Flight(self._next_id, gen, self._hasher.page_hashes(gen.token_ids))
+        common = {k: v for k, v in body.items() if k not in _LEG_FIELDS}
+        flight = _Flight(self._next_id, gen, self._hasher.page_hashes(gen.token_ids), dumps(common))
         client = _ClientSide(writer, gen.stream)
         try:
             status = await self._serve(flight, body, client)
@@ -892,10 +896,10 @@ class Router:
         return decision if decision.path == "borrow" else None
 
     # ---------------------------------------------------------------- the two paths
-    def _room_body(self, body: dict[str, Any], p: Worker, rid: str) -> dict[str, Any]:
+    def _room_fields(self, p: Worker, rid: str) -> dict[str, Any]:
+        """A leg's request id and prefill worker's bootstrap fields, with a fresh room."""
         room = int(self._rooms.integers(0, 2**ROOM_BITS - 1))
         return {
-            **body,
             "rid": rid,
             "bootstrap_host": p.host,
             "bootstrap_port": p.bootstrap_port,
@@ -935,9 +939,9 @@ class Router:
         d = d if d is not None and d.available else self._pick("decode", flight, avoid)
         flight.prefill = flight.decode = None  # a retry picks again
         rid = f"crossflow-{flight.request_id}-{secrets.token_hex(4)}"
-        leg_body = self._room_body(body, p, rid)
-        prefill_body = {k: v for k, v in leg_body.items() if k != "stream_options"}
-        prefill_body["stream"] = False
+        room = self._room_fields(p, rid)
+        leg_body = _leg_json(flight.common_json, {**room, **_stream_fields(body)})
+        prefill_body = _leg_json(flight.common_json, {**room, "stream": False})
         self._enter(flight, d, p)
         prefill_task = asyncio.create_task(self._prefill_leg(p, prefill_body, flight.gen.api))
         # the prefill pool counts the request until its prefill worker answered (policies.routing)
@@ -972,10 +976,14 @@ class Router:
         with contextlib.suppress(UpstreamError):
             await self.upstream.post_json(w.url + "/abort_request", {"rid": rid}, timeout_s=5.0)
 
-    async def _prefill_leg(self, p: Worker, body: dict[str, Any], api: str) -> None:
+    async def _prefill_leg(self, p: Worker, body: bytes, api: str) -> None:
         assert self.upstream is not None
         try:
-            status, content = await self.upstream.post_json(p.url + _API_PATHS[api], body)
+            resp = await self.upstream.request("POST", p.url + _API_PATHS[api], body, headers=JSON_HEADERS)
+            try:
+                status, content = resp.status, await resp.read()
+            finally:
+                await resp.close()
         except UpstreamError as exc:
             p.breaker.record(False)
             raise LegFailed(0, f"prefill worker {p.url}: {exc}", p, transport=True) from None
@@ -996,7 +1004,8 @@ class Router:
         res, d = decision.reservation_id, self.decode[decision.node_id]
         p = flight.prefill if flight.prefill is not None else self._pick("prefill", flight, set())
         rid = f"crossflow-{flight.request_id}-{secrets.token_hex(4)}"
-        leg_body = {**self._room_body(body, p, rid), "do_local_prefill": True}
+        fields = {**self._room_fields(p, rid), **_stream_fields(body), MARKER_FIELD: True}
+        leg_body = _leg_json(flight.common_json, fields)
         self._enter(flight, d, None)
         started = False
         reported = self._reports.get(d.idx)
@@ -1032,7 +1041,7 @@ class Router:
         return not is_retryable(status) or (path == "borrow" and status == 503)
 
     async def _relay(
-        self, d: Worker, body: dict[str, Any], client: _ClientSide, flight: _Flight, path: str, on_first: Any
+        self, d: Worker, body: bytes, client: _ClientSide, flight: _Flight, path: str, on_first: Any
     ) -> int:
         """Send ``body`` to decode worker ``d`` and relay its answer to the client; ``LegFailed``
         before the first token (nothing was sent to the client then)."""
@@ -1042,7 +1051,7 @@ class Router:
         sent_s = time.perf_counter()
         scale = self.config.time_scale
         try:
-            resp = await self.upstream.request("POST", url, dumps(body), headers=JSON_HEADERS)
+            resp = await self.upstream.request("POST", url, body, headers=JSON_HEADERS)
         except UpstreamError as exc:
             d.breaker.record(False)
             raise LegFailed(0, f"decode worker {d.url}: {exc}", d, transport=True) from None
@@ -1103,6 +1112,26 @@ class Router:
             raise LegFailed(0, f"decode worker {d.url}: {exc}", d, transport=True) from None
         finally:
             await resp.close()
+
+
+_LEG_FIELDS = frozenset(
+    {"rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "stream", "stream_options", MARKER_FIELD}
+)
+"""Body fields the router sets per leg (the rest of the client's body is relayed as it came)."""
+
+
+def _stream_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's streaming fields, which the decode leg keeps."""
+    return {k: body[k] for k in ("stream", "stream_options") if k in body}
+
+
+def _leg_json(common_json: bytes, fields: Mapping[str, Any]) -> bytes:
+    """The encoded object ``common_json`` (none of ``fields``' keys in it) with ``fields`` added: the
+    client's body is encoded once per request, not once per leg and attempt."""
+    tail = dumps(dict(fields))
+    if common_json.strip() == b"{}":
+        return tail
+    return common_json.rstrip()[:-1] + b"," + tail[1:]
 
 
 def _json_or_none(data: bytes) -> Any:

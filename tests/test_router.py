@@ -122,6 +122,16 @@ def test_page_trees_and_prefill_queue() -> None:
     assert queue.tokens(3.0) == 0
 
 
+def test_a_legs_body_is_the_clients_encoded_once_plus_the_legs_fields() -> None:
+    from serving.router import _leg_json
+
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}
+    leg = json.loads(_leg_json(json.dumps(body).encode(), {"rid": "r", "stream": False}))
+    assert leg == {**body, "rid": "r", "stream": False}
+    assert json.loads(_leg_json(b"{}", {"bootstrap_room": 7})) == {"bootstrap_room": 7}
+    assert json.loads(_leg_json(b'{ "a": 1 } ', {"b": 2})) == {"a": 1, "b": 2}
+
+
 def test_normal_path_serves_the_three_apis_by_dual_dispatch() -> None:
     config = ClusterConfig(n_prefill=2, n_decode=2)
     with _stack(config) as (_, cluster, stack), _client() as c:
