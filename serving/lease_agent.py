@@ -28,7 +28,7 @@ from typing import Any
 from policies.node_state import NodeState
 from serving.http import dumps, loads
 from serving.router import NODE_STATE_PATH
-from serving.sglang_plugin.wire import node_states_from_server_info
+from serving.sglang_plugin.wire import node_states_from_server_info, takes_lease_updates
 from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 _METRIC = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(?P<value>\S+)$")
@@ -95,6 +95,9 @@ class LeaseAgent:
         self.last_lease: dict[str, Any] | None = None
         self.last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self.takes_leases = False
+        """Whether the worker installs pushed leases (``wire.takes_lease_updates``; the router then
+        pushes each lease it publishes for the node)."""
 
     @staticmethod
     async def _call(
@@ -112,6 +115,7 @@ class LeaseAgent:
 
     async def read_state(self, client: UpstreamClient) -> NodeState:
         info = loads(await self._call(client, "GET", self.worker_url + "/server_info"))
+        self.takes_leases = isinstance(info, dict) and takes_lease_updates(info)
         try:
             state = node_states_from_server_info(info)[0]
         except ValueError:
@@ -123,7 +127,9 @@ class LeaseAgent:
     async def report_once(self, client: UpstreamClient) -> dict[str, Any]:
         """Read the worker's state and post it; the control plane's answer (the lease now held)."""
         state = await self.read_state(client)
-        body = dumps({"node_id": self.node_id, "node_state": state.to_dict()})
+        body = dumps(
+            {"node_id": self.node_id, "node_state": state.to_dict(), "takes_leases": self.takes_leases}
+        )
         headers = {**JSON_HEADERS, "Authorization": f"Bearer {self.token}"}
         answer: dict[str, Any] = loads(
             await self._call(client, "POST", self.control_url + NODE_STATE_PATH, body, **headers)

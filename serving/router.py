@@ -68,6 +68,7 @@ import httpx
 import numpy as np
 
 from envs.live import PrefixResolver
+from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
 from policies.path import PathDecision, PathQuery
 from policies.routing import (
@@ -99,7 +100,7 @@ from serving.resilience import (
     RetryConfig,
     is_retryable,
 )
-from serving.sglang_plugin.wire import MARKER_FIELD
+from serving.sglang_plugin.wire import MARKER_FIELD, lease_update_accepted, lease_update_body
 from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 if TYPE_CHECKING:
@@ -451,6 +452,12 @@ class Router:
         self._rooms = np.random.default_rng(config.seed + 2)
         self._next_id = 0
         self._reports: dict[int, tuple[NodeState, float]] = {}
+        self._lease_takers: set[int] = set()
+        """Decode nodes whose agents say their worker installs pushed leases (``_push_leases``)."""
+        self._pushed: dict[int, tuple[Any, ...]] = {}
+        """Per node, the lease last installed there (policy generation, budgets, expiry)."""
+        self._pushing: set[int] = set()
+        self._push_tasks: set[asyncio.Task[None]] = set()
         self._reservation_nodes: dict[tuple[int, int], int] = {}
         """Active borrow reservations (policy generation, reservation id) -> their node (to label
         revocations; ids of two policies' ledgers may coincide)."""
@@ -507,6 +514,9 @@ class Router:
 
     async def stop(self) -> None:
         await self._stop_control_loop()
+        for push in list(self._push_tasks):
+            push.cancel()
+        await asyncio.gather(*self._push_tasks, return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -545,6 +555,11 @@ class Router:
             "crossflow:policy_reloads_total",
             "Policy reloads on the control plane, by the new policy's name.",
             ("policy",),
+        )
+        self.m_pushes = r.counter(
+            "crossflow:lease_pushes_total",
+            "Leases sent to decode workers that install them (/set_internal_state), by result.",
+            ("node", "result"),
         )
         self.m_borrowed_tokens = r.counter(
             "crossflow:lease_borrowed_prefill_tokens_total",
@@ -671,6 +686,8 @@ class Router:
             self.scheduler, self.policy = scheduler, info
             self.policy_generation += 1
             self._start_control_loop()
+            if scheduler is None:
+                self._revoke_pushed_leases()
             self.m_reloads.inc(info.name)
             return previous
 
@@ -688,6 +705,52 @@ class Router:
             for rid in revoked or ():
                 with contextlib.suppress(KeyError):
                     self.m_revocations.inc(self._reservation_nodes.pop((generation, rid)))
+            self._push_leases(scheduler.ledger, now, generation)
+
+    # ---------------------------------------------------------------- leases over the wire
+    def _push_leases(self, ledger: Any, now_s: float, generation: int) -> None:
+        """Send each lease-taking node the lease just published for it, when it changed (a new
+        budget, expiry or policy): ``POST /set_internal_state`` with ``wire.lease_update_body``, the
+        time it has left as its TTL, so the worker's own re-check admits against the router's lease.
+        An expired lease is not sent (the worker's copy lapses at the same TTL); a zero one is (a
+        revocation). One push per node at a time; one that fails is sent again at the next interval."""
+        for j in sorted(self._lease_takers - self._pushing):
+            lease = ledger.lease(j)
+            if lease is None or (not lease.budgets.is_zero() and not lease.is_live(now_s)):
+                continue
+            key = (generation, lease.budgets.as_tuple(), lease.expires_s)
+            if self._pushed.get(j) != key:
+                ttl_s = lease.ttl_s if lease.budgets.is_zero() else lease.expires_s - now_s
+                self._start_push(j, lease.budgets, ttl_s, key)
+
+    def _start_push(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
+        self._pushing.add(node)
+        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key))
+        self._push_tasks.add(task)
+        task.add_done_callback(self._push_tasks.discard)
+
+    async def _push_lease(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
+        assert self.upstream is not None
+        ok = False
+        try:
+            status, answer = await self.upstream.post_json(
+                self.decode[node].url + "/set_internal_state",
+                lease_update_body(budgets, ttl_s),
+                timeout_s=5.0,
+            )
+            ok = status == 200 and lease_update_accepted(_json_or_none(answer))
+        except UpstreamError:
+            pass
+        finally:
+            self._pushing.discard(node)
+        if ok:
+            self._pushed[node] = key
+        self.m_pushes.inc(node, "installed" if ok else "failed")
+
+    def _revoke_pushed_leases(self) -> None:
+        """Send every lease-taking node an all-zero lease (a reload to a policy without leases)."""
+        for j in sorted(self._lease_takers - self._pushing):
+            self._start_push(j, LeaseBudgets.zero(), 1.0, (self.policy_generation, "revoked"))
 
     # ---------------------------------------------------------------- control plane
     async def _control_route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
@@ -711,6 +774,10 @@ class Router:
             if state is None:
                 raise HttpError(400, "field 'node_state' must be an object")
             self._reports[node] = (state, self.now_s())
+            if body.get("takes_leases") is True:
+                self._lease_takers.add(node)
+            else:
+                self._lease_takers.discard(node)
             self.m_reports.inc(node)
             lease = self.scheduler.ledger.lease(node) if self.scheduler is not None else None
             answer = {

@@ -573,3 +573,115 @@ def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
     assert "URL [BOOTSTRAP_PORT]" in capsys.readouterr().err
     assert main(["router", "--prefill", "x:1", "--decode", "http://y"]) == 2
     assert "http://" in capsys.readouterr().err
+
+
+def _wait(predicate: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_leases_are_pushed_to_workers_that_take_them_and_their_recheck_uses_them() -> None:
+    """Decode workers that install pushed leases (as with the plugin; here ``WireLeases``): the router
+    sends each lease it publishes over ``/set_internal_state``, the node admits a borrowed request only
+    on it, and a lease the router revokes is revoked on the node too (the node then refuses)."""
+    from serving.node_leases import WireLeases
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2, control_interval_s=0.1)
+    nodes = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    scheduler = BorrowMarked()  # the router's lease on node 0, none on node 1
+    lease = LeaseBudgets(100_000, 10**6, 0, 10**5, 100)
+    scheduler.ledger.publish(0, lease, 0.0, 10.0)  # 10 000 prefill tokens per emulated second
+    with (
+        _stack(
+            config, worker_scheduler=nodes, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+        ) as (background, cluster, stack),
+        _client() as c,
+    ):
+        router = stack.router
+        assert _wait(lambda: nodes.installs[0] >= 1), "the lease reached node 0"
+        assert all(a.takes_leases for a in stack.agents)
+        assert nodes.ledger.lease(0).budgets == lease
+        assert nodes.ledger.lease(0).expires_s == pytest.approx(10.0, abs=1.0), "the time it had left"
+        assert nodes.ledger.lease(1) is None, "no lease published for node 1: none sent"
+        ids = list(range(100, 100 + BORROW_TOKENS))
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6}, "stream": True}
+        events = _events(c.post(f"{router.url}/generate", json=body).text)
+        assert events[-2]["meta_info"]["completion_tokens"] == 6
+        assert [r.path for r in cluster.live.sim.reqs].count(1) == 1, "prefilled on node 0, on its lease"
+        assert scheduler.calls == ["started", "prefill_done", "finished"]
+        assert nodes.ledger.active_ids() == [], "the node's reservation ended with the request"
+        # the router revokes node 0's lease: the zero lease is pushed and the node refuses borrowing
+        background.loop.call_soon_threadsafe(scheduler.ledger.revoke, 0, router.now_s())
+        assert _wait(lambda: nodes.ledger.lease(0).budgets.is_zero()), "the revocation reached the node"
+        local = {**body, "do_local_prefill": True}
+        refused = _events(c.post(cluster.decode_urls[0] + "/generate", json=local).text)
+        assert refused[0]["meta_info"]["finish_reason"]["status_code"] == 503, refused
+        # a new lease in the router's ledger is sent again
+        background.loop.call_soon_threadsafe(scheduler.ledger.publish, 0, lease, router.now_s(), 10.0)
+        assert _wait(lambda: not nodes.ledger.lease(0).budgets.is_zero()), "the new lease reached the node"
+        metrics = c.get(f"{router.url}/metrics").text
+        assert 'crossflow:lease_pushes_total{node="0",result="installed"} 3' in metrics
+        assert 'crossflow:lease_pushes_total{node="1"' not in metrics
+        # bad lease updates are refused naming the field
+        bad = c.post(cluster.decode_urls[0] + "/set_internal_state", json={"server_args": {"x": 1}})
+        assert bad.status_code == 400 and "crossflow_lease_" in bad.text
+        bad = c.post(
+            cluster.decode_urls[0] + "/set_internal_state",
+            json={"server_args": {"crossflow_lease_ttl_s": 1.0}},
+        )
+        assert bad.status_code == 400 and "missing key" in bad.text
+        bad = c.post(cluster.prefill_urls[0] + "/set_internal_state", json={"server_args": {}})
+        assert bad.status_code == 400
+
+
+def test_a_policy_reload_reaches_the_nodes_through_their_next_leases() -> None:
+    """Nodes that install pushed leases hold no policy of their own, so a reload on the control plane
+    reaches them with the new policy's leases: to a policy without leases, every node's lease is
+    revoked at once; back to a lease policy, its leases are installed at its first intervals."""
+    from serving.node_leases import WireLeases
+    from serving.router import POLICY_PATH
+    from train.serve_cli import served_policy
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2, control_interval_s=0.1)
+    nodes = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+
+    def loader(ref: str) -> Any:
+        other = served_policy(ref)
+        return other.scheduler(config, cm), other.info
+
+    with (
+        _stack(
+            config,
+            scale=1.0,
+            worker_scheduler=nodes,
+            scheduler=build_scheduler("utilisation", config, cm),
+            estimator=ClusterEstimator(config, cm),
+            policy_loader=loader,
+            control_token="tok",
+        ) as (_, _, stack),
+        _client() as c,
+    ):
+        router = stack.router
+
+        def node_leases_live() -> bool:
+            now = router.now_s() - 0.05  # the nodes' clock starts a moment before the router's
+            leases = [nodes.ledger.lease(j) for j in (0, 1)]
+            return all(x is not None and not x.budgets.is_zero() and x.is_live(now) for x in leases)
+
+        assert _wait(node_leases_live), "the utilisation policy's leases reached both nodes"
+        auth = {"authorization": "Bearer tok"}
+        route = router.control_url + POLICY_PATH
+        assert c.post(route, json={"policy": "static"}, headers=auth).status_code == 200
+        assert router.scheduler is None
+        assert _wait(lambda: all(nodes.ledger.lease(j).budgets.is_zero() for j in (0, 1))), "revoked"
+        assert c.post(route, json={"policy": "utilisation"}, headers=auth).status_code == 200
+        assert _wait(node_leases_live), "the reloaded policy's leases reached both nodes"
+        assert router.scheduler is not None
+        ledger = router.scheduler.ledger
+        assert _wait(lambda: all(nodes.ledger.lease(j).budgets == ledger.lease(j).budgets for j in (0, 1)))

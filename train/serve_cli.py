@@ -117,7 +117,14 @@ def _build(args: argparse.Namespace) -> Any:
         **model_options(args),
     )
     config, cost_model = point.cluster(), point.cost_model()
-    scheduler = served.scheduler(config, cost_model)  # the emulated workers' own (their lease checks)
+    if args.router == "crossflow":
+        from serving.node_leases import WireLeases
+
+        # as workers running the plugin: each node installs the lease Crossflow's router pushes to it
+        # (so a policy reload reaches the nodes through their next leases)
+        scheduler: Any = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    else:
+        scheduler = served.scheduler(config, cost_model)  # the emulated workers' own (their lease checks)
     with_router = args.router != "none"
     first = args.port + 1 if (with_router and args.port) else args.port
     live = LiveCluster(
