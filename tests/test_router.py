@@ -685,3 +685,55 @@ def test_a_policy_reload_reaches_the_nodes_through_their_next_leases() -> None:
         assert router.scheduler is not None
         ledger = router.scheduler.ledger
         assert _wait(lambda: all(nodes.ledger.lease(j).budgets == ledger.lease(j).budgets for j in (0, 1)))
+
+
+@pytest.mark.slow
+def test_serve_run_s_stops_the_router_cleanly_with_streams_and_idle_connections_open() -> None:
+    """``crossflow serve --router crossflow --run-s N`` ends while clients stream and keep idle
+    connections: the streams end, the exit status is 0 and nothing is printed on stderr (no
+    CancelledError traceback from the handlers it cancels)."""
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    command = [sys.executable, "-m", "train.cli", "serve", "--emulate", "1P2D", "--port", "0",
+               "--router", "crossflow", "--policy", "heuristic", "--time-scale", "4", "--run-s", "5"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in iter(proc.stdout.readline, ""):
+            found = re.search(r"router\s+(http://127\.0\.0\.1:\d+)", line)
+            url = found[1] if found else url
+            if line.startswith("serving "):
+                break
+        assert url is not None
+        ended: list[str] = []
+
+        def stream() -> None:
+            body = {"input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 5000}, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/generate", json=body, timeout=30, trust_env=False) as r:
+                    for _ in r.iter_lines():
+                        pass
+                ended.append("ended")
+            except httpx.HTTPError as exc:
+                ended.append(type(exc).__name__)
+
+        clients = [threading.Thread(target=stream) for _ in range(3)]
+        for t in clients:
+            t.start()
+        with _client() as idle:  # an idle keep-alive connection to the router and one to a worker
+            assert idle.get(f"{url}/health").status_code == 200
+            assert idle.get(f"{url}/v1/models").status_code == 200
+            _, err = proc.communicate(timeout=60)
+        for t in clients:
+            t.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert len(ended) == 3, "every stream ended"
+    assert err == "", err
