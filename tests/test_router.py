@@ -697,8 +697,8 @@ def test_serve_run_s_stops_the_router_cleanly_with_streams_and_idle_connections_
     import sys
     import threading
 
-    command = [sys.executable, "-m", "train.cli", "serve", "--emulate", "1P2D", "--port", "0",
-               "--router", "crossflow", "--policy", "heuristic", "--time-scale", "4", "--run-s", "5"]  # fmt: skip
+    serve = "serve --emulate 1P2D --port 0 --router crossflow --policy heuristic --time-scale 4 --run-s 5"
+    command = [sys.executable, "-m", "train.cli", *serve.split()]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
