@@ -104,13 +104,9 @@ class LeaseAgent:
         client: UpstreamClient, method: str, url: str, body: bytes | None = None, **headers: str
     ) -> bytes:
         """One exchange; the body of a 200 answer, else ``UpstreamError`` naming the status."""
-        resp = await client.request(method, url, body, headers=headers or None)
-        try:
-            data = await resp.read()
-        finally:
-            await resp.close()
-        if resp.status != 200:
-            raise UpstreamError(f"{method} {url}: HTTP {resp.status}: {data[:200].decode(errors='replace')}")
+        status, data = await client.fetch(method, url, body, headers=headers or None)
+        if status != 200:
+            raise UpstreamError(f"{method} {url}: HTTP {status}: {data[:200].decode(errors='replace')}")
         return data
 
     async def read_state(self, client: UpstreamClient) -> NodeState:

@@ -593,7 +593,7 @@ class PDWorker:
             task.cancel()
         await send_json(writer, 200, {"aborted": len(tasks)})
 
-    def _set_internal_state(self, body: Any) -> dict[str, Any]:
+    def _set_internal_state(self, body: Any) -> list[bool]:
         """SGLang's ``POST /set_internal_state`` as the Crossflow plugin answers a lease update
         (``wire.lease_update_body``): a decode worker whose cluster takes wire leases installs it
         (``LiveCluster.install_lease``); ``HttpError(400)`` naming what is wrong otherwise."""
@@ -613,8 +613,8 @@ class PDWorker:
             budgets, ttl_s = parse_lease_update(args)
         except ValueError as exc:
             raise HttpError(400, f"field 'server_args': {exc}") from None
-        revoked = self.cluster.live.install_lease(self.idx, budgets, ttl_s)
-        return {"updated": True, "revoked": len(revoked)}
+        self.cluster.live.install_lease(self.idx, budgets, ttl_s)
+        return [True]  # SGLang's answer: one boolean per data-parallel rank
 
     # ---------------------------------------------------------------- reports
     def load(self) -> WorkerLoad:

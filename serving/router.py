@@ -64,7 +64,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 
 from envs.live import PrefixResolver
@@ -465,10 +464,9 @@ class Router:
         self.control = HttpServer(
             self._control_route, config.control_host, config.control_port, keep_alive=True
         )
-        self.client: httpx.AsyncClient | None = None
-        """For the background loops (health checks, load polls)."""
         self.upstream: UpstreamClient | None = None
-        """For the requests' legs and aborts: keep-alive pools per worker (``serving.upstream``)."""
+        """Every request to a worker (legs, aborts, lease pushes, health checks, load polls): keep-alive
+        pools per worker (``serving.upstream``)."""
         self._t0 = time.perf_counter()
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics()
@@ -487,9 +485,6 @@ class Router:
         return (time.perf_counter() - self._t0) / self.config.time_scale
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        timeout = httpx.Timeout(self.config.request_timeout_s, connect=5.0)
-        self.client = httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
         self.upstream = UpstreamClient(timeout_s=self.config.request_timeout_s, connect_timeout_s=5.0)
         self._t0 = time.perf_counter()
         await self.http.start()
@@ -522,8 +517,6 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.http.stop()
         await self.control.stop()
-        if self.client is not None:
-            await self.client.aclose()
         if self.upstream is not None:
             await self.upstream.aclose()
 
@@ -614,13 +607,13 @@ class Router:
         cfg = self.config.health
         if not cfg.enabled:
             return
-        assert self.client is not None
+        assert self.upstream is not None
         while True:
             for w in self.prefill + self.decode:
                 try:
-                    resp = await self.client.get(w.url + cfg.endpoint, timeout=cfg.timeout_s)
-                    ok = resp.status_code == 200
-                except httpx.HTTPError:
+                    status, _ = await self.upstream.get(w.url + cfg.endpoint, timeout_s=cfg.timeout_s)
+                    ok = status == 200
+                except UpstreamError:
                     ok = False
                 w.health.record(ok)
             self._refresh_flags()
@@ -629,20 +622,18 @@ class Router:
     async def _load_loop(self, rule: OverloadProtection) -> None:
         """smg's load monitor: every ``load_monitor_interval_s`` (emulated), each worker's
         ``/v1/loads`` sets its overload flag."""
-        assert self.client is not None
+        assert self.upstream is not None
         while True:
             for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
                 flags = []
                 for w in workers:
                     try:
-                        resp = await self.client.get(
-                            w.url + "/v1/loads", params={"include": "core"}, timeout=5.0
-                        )
-                        snap = resp.json()["loads"][0]
+                        _, body = await self.upstream.get(w.url + "/v1/loads?include=core", timeout_s=5.0)
+                        snap = loads(body)["loads"][0]
                         flags.append(
                             rule.is_overloaded(int(snap["num_waiting_reqs"]), float(snap["token_usage"]))
                         )
-                    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                    except (UpstreamError, ValueError, KeyError, IndexError, TypeError):
                         flags.append(self._overloaded[role][w.idx])
                 self._overloaded[role] = flags
             self._refresh_flags()
@@ -692,9 +683,18 @@ class Router:
             return previous
 
     async def _control_loop(self, scheduler: SchedulerLike, generation: int) -> None:
+        """Control intervals on a fixed grid of wall times (a late wake-up does not shift the ones
+        after it, as the simulator's ticks are never shifted); one that falls a whole interval
+        behind restarts the grid from now rather than running the missed ones back to back."""
         interval_s = scheduler.control_interval_s
+        wall_interval_s = interval_s * self.config.time_scale
+        due_s = time.perf_counter()
         while True:
-            await asyncio.sleep(interval_s * self.config.time_scale)
+            due_s += wall_interval_s
+            late_s = time.perf_counter() - due_s
+            if late_s > wall_interval_s:
+                due_s += wall_interval_s * math.floor(late_s / wall_interval_s)
+            await asyncio.sleep(max(0.0, due_s - time.perf_counter()))
             now = self.now_s()
             fresh = [
                 replace(state, time_s=now)
@@ -1046,11 +1046,9 @@ class Router:
     async def _prefill_leg(self, p: Worker, body: bytes, api: str) -> None:
         assert self.upstream is not None
         try:
-            resp = await self.upstream.request("POST", p.url + _API_PATHS[api], body, headers=JSON_HEADERS)
-            try:
-                status, content = resp.status, await resp.read()
-            finally:
-                await resp.close()
+            status, content = await self.upstream.fetch(
+                "POST", p.url + _API_PATHS[api], body, headers=JSON_HEADERS
+            )
         except UpstreamError as exc:
             p.breaker.record(False)
             raise LegFailed(0, f"prefill worker {p.url}: {exc}", p, transport=True) from None

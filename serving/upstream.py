@@ -299,13 +299,29 @@ class UpstreamClient:
         no_body = method == "HEAD" or status in (204, 304) or 100 <= status < 200
         return Response(self, conn, status, headers, deadline, no_body)
 
-    async def post_json(self, url: str, payload: Any, *, timeout_s: float | None = None) -> tuple[int, bytes]:
-        """POST ``payload`` as JSON and read the whole answer: ``(status, body)``."""
-        resp = await self.request("POST", url, dumps(payload), headers=JSON_HEADERS, timeout_s=timeout_s)
+    async def fetch(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[int, bytes]:
+        """One exchange read to its end: ``(status, body)``."""
+        resp = await self.request(method, url, body, headers=headers, timeout_s=timeout_s)
         try:
             return resp.status, await resp.read()
         finally:
             await resp.close()
+
+    async def post_json(self, url: str, payload: Any, *, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """POST ``payload`` as JSON: ``(status, body)``."""
+        return await self.fetch("POST", url, dumps(payload), headers=JSON_HEADERS, timeout_s=timeout_s)
+
+    async def get(self, url: str, *, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """GET ``url``: ``(status, body)``."""
+        return await self.fetch("GET", url, timeout_s=timeout_s)
 
     async def aclose(self) -> None:
         """Close every idle connection; answers still being read close theirs when done."""

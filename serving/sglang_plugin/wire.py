@@ -151,10 +151,9 @@ def takes_lease_updates(server_info: Mapping[str, Any]) -> bool:
 
 
 def lease_update_accepted(answer: Any) -> bool:
-    """Whether a ``/set_internal_state`` answer says the update was installed (SGLang answers
-    ``updated: false``, per rank or once, for keys no hook took)."""
-    answers = answer if isinstance(answer, list) else [answer]
-    return all(not (isinstance(a, Mapping) and a.get("updated") is False) for a in answers)
+    """Whether a ``/set_internal_state`` answer says the update was installed: SGLang 0.5.23 answers
+    one boolean per data-parallel rank (``[true]``), false where no hook took the keys."""
+    return isinstance(answer, list) and bool(answer) and all(a is True for a in answer)
 
 
 def node_states_from_server_info(server_info: Mapping[str, Any]) -> list[NodeState]:
