@@ -10,11 +10,10 @@ simulator (``envs.live.LiveCluster(scheduler=WireLeases(n))``): the emulated dec
 
 So the node's re-check is policy-independent: whichever policy the router serves, and after a policy
 reload on its control plane, the node admits against the lease it was last sent, exactly what the
-plugin does. What a node policy decides on the node in the in-process simulator reaches a wire-fed
-node through its lease: the cap on each iteration's borrowed chunk (its ITL budget) as the lease's
-``max_chunk_tokens``, sized by the router for the node's batch when it made the lease (the simulator
-sizes it at every iteration), decode pressure as a zero lease at the router's next control interval
-(the simulator also pauses a borrowed task that arrives under pressure).
+plugin does. What a node policy decides on the node in the in-process simulator (a cap on each
+iteration's borrowed chunk from its ITL budget, a pause on arrival under decode pressure) reaches a
+wire-fed node only through its lease: decode pressure as a zero lease at the router's next control
+interval, chunks as the lease's compute rate through the token bucket.
 
 Hooks the simulator calls (``envs.simulator.SchedulerHooks``):
 
@@ -22,9 +21,8 @@ Hooks the simulator calls (``envs.simulator.SchedulerHooks``):
   the last interval (and those whose lease expired), which the simulator falls back;
 * ``on_task_arrival``: ``run`` while the reservation is spendable, else ``fallback``;
 * start, prefill done, finish, fallback: the reservation's life in the node's ledger;
-* ``borrowed_chunk_tokens``: the cap on one iteration's borrowed chunk the last lease carried
-  (``wire.LEASE_CHUNK_KEY``, as the plugin applies it), within the token bucket's credit;
-  ``choose_path`` is never called (requests arrive placed).
+* ``borrowed_chunk_tokens``: ``None`` (the token bucket alone paces borrowed prefill, as the plugin's
+  ``LocalPrefillAdmission.chunk_tokens``); ``choose_path`` is never called (requests arrive placed).
 """
 
 from __future__ import annotations
@@ -55,8 +53,6 @@ class WireLeases:
         ]
         self.installs = [0] * n_decode
         """Lease updates installed per node."""
-        self.chunk_caps: list[int | None] = [None] * n_decode
-        """Per node, the borrowed-chunk cap its last lease carried (``wire.LEASE_CHUNK_KEY``)."""
         self._revoked: list[int] = []
 
     def _node(self, node_id: int) -> LocalPrefillAdmission:
@@ -65,20 +61,10 @@ class WireLeases:
         return self.nodes[node_id]
 
     # ---- the lease ------------------------------------------------------------------------------
-    def install_lease(
-        self,
-        node_id: int,
-        budgets: LeaseBudgets,
-        ttl_s: float,
-        now_s: float,
-        *,
-        max_chunk_tokens: int | None = None,
-    ) -> list[int]:
-        """Install a pushed lease on ``node_id`` (all zero revokes) and the borrowed-chunk cap it
-        carries; the un-started reservations it revoked (they fall back at the next control interval,
-        or when they would start)."""
+    def install_lease(self, node_id: int, budgets: LeaseBudgets, ttl_s: float, now_s: float) -> list[int]:
+        """Install a pushed lease on ``node_id`` (all zero revokes); the un-started reservations it
+        revoked (they fall back at the next control interval, or when they would start)."""
         node = self._node(node_id)
-        self.chunk_caps[node_id] = max_chunk_tokens
         revoked = node.revoke(now_s) if budgets.is_zero() else node.install_lease(budgets, ttl_s, now_s)
         self.installs[node_id] += 1
         self._revoked.extend(revoked)
@@ -127,8 +113,7 @@ class WireLeases:
     def borrowed_chunk_tokens(
         self, node_id: int, decode_batch: int, decode_context_tokens: int
     ) -> int | None:
-        """The cap the node's last lease carried (as the plugin applies it), None: none."""
-        return self.chunk_caps[self._node(node_id).node_id]
+        return None
 
     def local_chunk_tokens(self, node_id: int) -> int:
         return 0

@@ -58,12 +58,7 @@ from policies.routing import CacheAwareConfig, OverloadProtection
 from serving.gateways import GatewayKind, GatewaySpec
 from serving.http import HttpError, HttpRequest, HttpServer, SseStream, send_json, send_text
 from serving.replay import LAG_KEY, LAG_SINCE_PARAM, TIME_SCALE_KEY
-from serving.sglang_plugin.wire import (
-    INTERNAL_STATE_KEY,
-    is_lease_update,
-    lease_chunk_cap,
-    parse_lease_update,
-)
+from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, is_lease_update, parse_lease_update
 
 Role = Literal["prefill", "decode"]
 
@@ -616,10 +611,9 @@ class PDWorker:
             )  # fmt: skip
         try:
             budgets, ttl_s = parse_lease_update(args)
-            cap = lease_chunk_cap(args)
         except ValueError as exc:
             raise HttpError(400, f"field 'server_args': {exc}") from None
-        self.cluster.live.install_lease(self.idx, budgets, ttl_s, max_chunk_tokens=cap)
+        self.cluster.live.install_lease(self.idx, budgets, ttl_s)
         return [True]  # SGLang's answer: one boolean per data-parallel rank
 
     # ---------------------------------------------------------------- reports

@@ -705,50 +705,37 @@ class Router:
             for rid in revoked or ():
                 with contextlib.suppress(KeyError):
                     self.m_revocations.inc(self._reservation_nodes.pop((generation, rid)))
-            self._push_leases(scheduler, now, generation)
+            self._push_leases(scheduler.ledger, now, generation)
 
     # ---------------------------------------------------------------- leases over the wire
-    def _push_leases(self, scheduler: SchedulerLike, now_s: float, generation: int) -> None:
+    def _push_leases(self, ledger: Any, now_s: float, generation: int) -> None:
         """Send each lease-taking node the lease just published for it, when it changed (a new
         budget, expiry or policy): ``POST /set_internal_state`` with ``wire.lease_update_body``, the
-        time it has left as its TTL and the node policy's cap on one iteration's borrowed chunk for
-        the node's reported batch (``borrowed_chunk_tokens``, the heuristic's ITL budget), so the
-        worker's own re-check and pacing follow the router's lease.
+        time it has left as its TTL, so the worker's own re-check admits against the router's lease.
         An expired lease is not sent (the worker's copy lapses at the same TTL); a zero one is (a
         revocation). One push per node at a time; one that fails is sent again at the next interval."""
-        chunk_fn = getattr(scheduler, "borrowed_chunk_tokens", None)
         for j in sorted(self._lease_takers - self._pushing):
-            lease = scheduler.ledger.lease(j)
+            lease = ledger.lease(j)
             if lease is None or (not lease.budgets.is_zero() and not lease.is_live(now_s)):
                 continue
-            cap: int | None = None
-            reported = self._reports.get(j)
-            if chunk_fn is not None and reported is not None:
-                s = reported[0]
-                cap = chunk_fn(j, s.decode_batch_size, int(s.context_tokens_mean * s.decode_batch_size))
-                cap = None if cap is None else max(1, int(cap))
-            key = (generation, lease.budgets.as_tuple(), lease.expires_s, cap)
+            key = (generation, lease.budgets.as_tuple(), lease.expires_s)
             if self._pushed.get(j) != key:
                 ttl_s = lease.ttl_s if lease.budgets.is_zero() else lease.expires_s - now_s
-                self._start_push(j, lease.budgets, ttl_s, key, cap)
+                self._start_push(j, lease.budgets, ttl_s, key)
 
-    def _start_push(
-        self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...], cap: int | None = None
-    ) -> None:
+    def _start_push(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
         self._pushing.add(node)
-        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key, cap))
+        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key))
         self._push_tasks.add(task)
         task.add_done_callback(self._push_tasks.discard)
 
-    async def _push_lease(
-        self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...], cap: int | None
-    ) -> None:
+    async def _push_lease(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
         assert self.upstream is not None
         ok = False
         try:
             status, answer = await self.upstream.post_json(
                 self.decode[node].url + "/set_internal_state",
-                lease_update_body(budgets, ttl_s, cap),
+                lease_update_body(budgets, ttl_s),
                 timeout_s=5.0,
             )
             ok = status == 200 and lease_update_accepted(_json_or_none(answer))

@@ -276,25 +276,6 @@ def test_the_token_bucket_bounds_local_prefill_per_step(installed: sg.HookRegist
     assert scheduler.allocator.used == 0 and scheduler.retracted == 0
 
 
-def test_a_leases_chunk_cap_bounds_each_local_prefill_step(installed: sg.HookRegistry) -> None:
-    """A lease carrying ``crossflow_lease_max_chunk_tokens`` (the node policy's ITL-budget cap) caps
-    every local EXTEND step at it, whatever the bucket holds; a bad cap refuses the update."""
-    scheduler, cluster = _worker(kv_tokens=20_000, chunked_prefill_size=4_096)
-    body = wire.lease_update_body(replace(LEASE, prefill_tokens=40_000), 1.0, max_chunk_tokens=600)
-    assert scheduler.set_internal_state(sg.SetInternalStateReq(**body)).updated
-    assert _node(scheduler).lease_chunk_tokens == 600
-    prompt = _req("b1", 2_000, 5, borrowed=True)
-    scheduler._add_request_to_queue(prompt)
-    for _ in range(300):
-        cluster.step()
-    assert sum(cluster.extend_tokens) == 2_000 and max(cluster.extend_tokens) <= 600, cluster.extend_tokens
-    assert len(prompt.output_ids) == 5
-    bad = {**body["server_args"], wire.LEASE_CHUNK_KEY: 0}
-    assert not scheduler.set_internal_state(sg.SetInternalStateReq(bad)).updated
-    with pytest.raises(ValueError, match="max_chunk_tokens"):
-        wire.lease_chunk_cap({wire.LEASE_CHUNK_KEY: True})
-
-
 def test_a_started_prompt_whose_lease_lapses_is_aborted_with_503(installed: sg.HookRegistry) -> None:
     scheduler, cluster = _worker(kv_tokens=20_000, chunked_prefill_size=256)
     slow = LeaseBudgets(

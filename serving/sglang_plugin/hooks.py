@@ -43,7 +43,6 @@ from serving.sglang_plugin.local_prefill import (
 from serving.sglang_plugin.wire import (
     INTERNAL_STATE_KEY,
     is_lease_update,
-    lease_chunk_cap,
     mark_routing_key,
     parse_lease_update,
     requests_local_prefill,
@@ -140,11 +139,10 @@ def set_internal_state(original: Callable[..., Any], scheduler: Any, recv_req: A
         return api_output(False)
     try:
         budgets, ttl_s = parse_lease_update(recv_req.server_args)
-        max_chunk_tokens = lease_chunk_cap(recv_req.server_args)
     except ValueError as exc:
         logger.warning("crossflow lease update refused: %s", exc)
         return api_output(False)
-    _node(scheduler).install_lease(budgets, ttl_s, max_chunk_tokens=max_chunk_tokens)
+    _node(scheduler).install_lease(budgets, ttl_s)
     return api_output(True)
 
 

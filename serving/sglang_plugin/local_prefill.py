@@ -125,8 +125,6 @@ class LocalPrefill:
     batch: Any = None
     """The EXTEND batch this plugin returned last, until it is merged."""
     disabled: str | None = None
-    lease_chunk_tokens: int | None = None
-    """The lease's cap on one iteration's borrowed chunk (``wire.LEASE_CHUNK_KEY``; None: none)."""
     counters: dict[str, int] = field(default_factory=dict)
     _steps: _StepStats = field(default_factory=_StepStats)
 
@@ -190,13 +188,9 @@ class LocalPrefill:
         return None
 
     # ------------------------------------------------------------------ the lease
-    def install_lease(
-        self, budgets: LeaseBudgets, ttl_s: float, *, max_chunk_tokens: int | None = None
-    ) -> list[int]:
-        """Install the node's lease (all zero revokes it) and the cap on each iteration's borrowed
-        chunk it carries (None: none); queued requests that no longer fit are aborted with 503 now.
-        Returns the revoked reservation ids."""
-        self.lease_chunk_tokens = max_chunk_tokens
+    def install_lease(self, budgets: LeaseBudgets, ttl_s: float) -> list[int]:
+        """Install the node's lease (all zero revokes it); queued requests that no longer fit are
+        aborted with 503 now. Returns the revoked reservation ids."""
         now_s = self._now_s()
         if budgets.is_zero():
             revoked = self.admission.revoke(now_s)
@@ -353,8 +347,6 @@ class LocalPrefill:
         if remaining <= 0:
             return 0, []
         max_chunk = scheduler.chunked_prefill_size or scheduler.max_prefill_tokens
-        if self.lease_chunk_tokens is not None:  # the node policy's cap (ITL budget); a page at least
-            max_chunk = max(scheduler.page_size, min(self.lease_chunk_tokens, max_chunk))
         tokens = self.admission.chunk_tokens(remaining, max_chunk, scheduler.page_size, now_s)
         return tokens, candidates
 
@@ -542,7 +534,6 @@ class LocalPrefill:
             "queued": len(self.queue),
             "started": len(self.started),
             "disabled": self.disabled,
-            "lease_chunk_tokens": self.lease_chunk_tokens,
             "counters": dict(sorted(self.counters.items())),
         }
 

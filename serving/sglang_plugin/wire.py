@@ -10,11 +10,10 @@ Three things, all through SGLang 0.5.23's own HTTP server (no extra port, SGLang
   untouched and means nothing else unless the routing-key schedule policy is on; the scheduler side
   takes it off again (:func:`unmark_routing_key`) before anything else reads the key.
 * **The lease.** ``POST /set_internal_state`` with :func:`lease_update_body`: numeric keys
-  ``crossflow_lease_<budget>`` for the five budgets and ``crossflow_lease_ttl_s``, and optionally
-  ``crossflow_lease_max_chunk_tokens`` (the node policy's cap on one iteration's borrowed chunk).
-  SGLang broadcasts a control request to every scheduler rank at the same point of its request
-  stream, so all tensor parallel ranks install the lease at the same iteration and keep deciding
-  alike. All budgets zero revokes the lease.
+  ``crossflow_lease_<budget>`` for the five budgets and ``crossflow_lease_ttl_s``. SGLang broadcasts a
+  control request to every scheduler rank at the same point of its request stream, so all tensor
+  parallel ranks install the lease at the same iteration and keep deciding alike. All budgets zero
+  revokes the lease.
 * **The node's state.** ``GET /server_info`` lists each data-parallel rank's internal state; the
   plugin adds ``crossflow`` to it: the ``NodeState`` the lease agent feeds its policy, and the lease and
   queue the plugin holds (:func:`node_states_from_server_info`).
@@ -40,10 +39,6 @@ LEASE_KEY_PREFIX = "crossflow_lease_"
 LEASE_TTL_KEY = f"{LEASE_KEY_PREFIX}ttl_s"
 LEASE_KEYS: tuple[str, ...] = (*(f"{LEASE_KEY_PREFIX}{name}" for name in BUDGET_FIELDS), LEASE_TTL_KEY)
 """The ``server_args`` keys of a lease update, all required."""
-LEASE_CHUNK_KEY = f"{LEASE_KEY_PREFIX}max_chunk_tokens"
-"""The one optional key: the node policy's cap on one iteration's borrowed prefill chunk (its ITL
-budget, ``NodePolicy.borrowed_chunk_tokens`` for the node's batch when the lease was made); absent:
-no cap beyond SGLang's chunked prefill size."""
 
 INTERNAL_STATE_KEY = "crossflow"
 """The key the plugin adds to each scheduler's internal state (``/server_info``'s ``internal_states``)."""
@@ -102,31 +97,13 @@ def _is_batch(body: Mapping[str, Any]) -> bool:
     return False
 
 
-def lease_update_body(
-    budgets: LeaseBudgets, ttl_s: float, max_chunk_tokens: int | None = None
-) -> dict[str, dict[str, int | float]]:
-    """The ``/set_internal_state`` body that installs ``budgets`` as the worker's lease for ``ttl_s``
-    (with ``max_chunk_tokens``: the cap on each iteration's borrowed chunk, ``LEASE_CHUNK_KEY``)."""
+def lease_update_body(budgets: LeaseBudgets, ttl_s: float) -> dict[str, dict[str, int | float]]:
+    """The ``/set_internal_state`` body that installs ``budgets`` as the worker's lease for ``ttl_s``."""
     if not (ttl_s > 0 and math.isfinite(ttl_s)):
         raise ValueError(f"lease ttl_s must be positive and finite, got {ttl_s!r}")
     args: dict[str, int | float] = {f"{LEASE_KEY_PREFIX}{k}": v for k, v in budgets.to_dict().items()}
     args[LEASE_TTL_KEY] = float(ttl_s)
-    if max_chunk_tokens is not None:
-        args[LEASE_CHUNK_KEY] = _chunk_cap(max_chunk_tokens)
     return {"server_args": args}
-
-
-def _chunk_cap(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"lease update: {LEASE_CHUNK_KEY} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def lease_chunk_cap(server_args: Mapping[str, Any]) -> int | None:
-    """The borrowed-chunk cap a lease update carries (``LEASE_CHUNK_KEY``), None without one;
-    ``ValueError`` naming the key when it is not an integer >= 1."""
-    value = server_args.get(LEASE_CHUNK_KEY)
-    return None if value is None else _chunk_cap(value)
 
 
 def is_lease_update(server_args: Mapping[str, Any]) -> bool:
@@ -139,7 +116,7 @@ def parse_lease_update(server_args: Mapping[str, Any]) -> tuple[LeaseBudgets, fl
     unknown or mixed with other settings, or the budget that is not a non-negative integer."""
     keys = set(server_args)
     missing = [k for k in LEASE_KEYS if k not in keys]
-    extra = sorted(k for k in keys if k not in LEASE_KEYS and k != LEASE_CHUNK_KEY)
+    extra = sorted(k for k in keys if k not in LEASE_KEYS)
     if extra:
         raise ValueError(
             f"lease update: unexpected key(s) {extra}; send the lease keys {list(LEASE_KEYS)} alone"
@@ -199,14 +176,12 @@ def node_states_from_server_info(server_info: Mapping[str, Any]) -> list[NodeSta
 
 __all__ = [
     "INTERNAL_STATE_KEY",
-    "LEASE_CHUNK_KEY",
     "LEASE_KEYS",
     "LEASE_KEY_PREFIX",
     "LEASE_TTL_KEY",
     "MARKER_FIELD",
     "ROUTING_KEY_MARK",
     "is_lease_update",
-    "lease_chunk_cap",
     "lease_update_accepted",
     "lease_update_body",
     "mark_routing_key",
