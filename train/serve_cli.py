@@ -79,6 +79,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the cluster's random choices")
     p.add_argument("--run-s", type=float, default=None, help="stop after this many wall seconds")
+    p.add_argument(
+        "--node-leases",
+        choices=("wire", "local"),
+        default="wire",
+        help="--router crossflow: wire (default): the decode workers install the leases the router "
+        "pushes, as workers running the plugin; local: each runs --policy itself, as the simulator "
+        "(a policy reload then does not reach them)",
+    )
     add_model_arguments(p)
     add_cluster_arguments(p)
     p.set_defaults(func=_run_serve)
@@ -117,7 +125,7 @@ def _build(args: argparse.Namespace) -> Any:
         **model_options(args),
     )
     config, cost_model = point.cluster(), point.cost_model()
-    if args.router == "crossflow":
+    if args.router == "crossflow" and args.node_leases == "wire":
         from serving.node_leases import WireLeases
 
         # as workers running the plugin: each node installs the lease Crossflow's router pushes to it
