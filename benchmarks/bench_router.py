@@ -3,7 +3,9 @@ and the router's own overhead against direct worker access and smg (``overhead``
 
 ``agree``: the heuristic policy through the router (its lease agents and its own ledger) on the
 emulated cluster, and the simulator on the same trace, shape and load; prints both runs' input
-throughput, mean TTFT, mean ITL and borrowed share, and the router's path decisions.
+throughput, mean TTFT, mean ITL and borrowed share, and the router's path decisions. The emulated
+nodes install the leases the router pushes (``--node-leases wire``, as ``crossflow serve --router
+crossflow`` runs them) or run the policy themselves (``local``).
 
 ``overhead``: an emulated 1P1D cluster whose iterations take ``--iteration-us`` wall microseconds
 (``--time-scale`` tiny: workers are nearly instant, so the gateway is what is measured). Sequential
@@ -37,6 +39,7 @@ from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
 from envs.live import LiveCluster
 from serving.gateways import Gateway, GatewaySpec, missing_reason
+from serving.node_leases import WireLeases
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
 from serving.replay import ReplayConfig, replay
 from serving.stack import CrossflowStack
@@ -55,9 +58,11 @@ def agree(args: argparse.Namespace) -> None:
     run = run_point(point, trace=trace)
     sim = run.metrics
     config, cm = point.cluster(), point.cost_model()
-    live = LiveCluster(
-        config, cost_model=cm, scheduler=build_scheduler(args.policy, config, cm), time_scale=args.time_scale
-    )
+    if args.node_leases == "wire":  # the nodes install the router's leases, as with the plugin
+        nodes: Any = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    else:  # each node runs the policy itself, in the emulation's simulator
+        nodes = build_scheduler(args.policy, config, cm)
+    live = LiveCluster(config, cost_model=cm, scheduler=nodes, time_scale=args.time_scale)
     background = BackgroundCluster(EmulatedCluster(live))
     with background as cluster:
         stack = CrossflowStack(
@@ -79,7 +84,8 @@ def agree(args: argparse.Namespace) -> None:
     sim_decisions = Counter(d["code"] for d in run.decisions if d["kind"] == "decision")
     lag = result.lag_failure or "ok"
     print(f"{args.policy} on {args.shape}, {args.trace}, {args.requests} requests, load {args.load:g}, "
-          f"time scale {args.time_scale:g} (replay {wall_s:.0f} s wall, lag check: {lag})")  # fmt: skip
+          f"time scale {args.time_scale:g}, node leases {args.node_leases} "
+          f"(replay {wall_s:.0f} s wall, lag check: {lag})")  # fmt: skip
     print(f"{'':24}{'simulate':>12}{'router':>12}{'diff':>10}")
     rows = [
         ("input tokens/s", sim.input_tokens_per_s, float(m["input_tokens_per_s"])),
@@ -219,6 +225,13 @@ def main() -> None:
     a.add_argument("--requests", type=int, default=150)
     a.add_argument("--load", type=float, default=2.0)
     a.add_argument("--time-scale", type=float, default=2.0)
+    a.add_argument(
+        "--node-leases",
+        choices=("local", "wire"),
+        default="wire",
+        help="wire: the nodes install the leases the router pushes (crossflow serve's); local: each "
+        "node's lease comes from the policy run in the emulation itself",
+    )
     o = sub.add_parser("overhead")
     o.add_argument("--requests", type=int, default=400)
     o.add_argument("--concurrency", type=int, default=32)

@@ -351,6 +351,27 @@ class LiveCluster:
         )
         return None if reservation is None else int(reservation.reservation_id)
 
+    def takes_wire_leases(self) -> bool:
+        """Whether the decode nodes' leases are installed from outside (``install_lease``) rather than
+        published by an in-process scheduler's node policy."""
+        return callable(getattr(self.sim.scheduler, "install_lease", None))
+
+    def install_lease(self, decode_worker: int, budgets: LeaseBudgets, ttl_s: float) -> list[int]:
+        """Install a lease sent to ``decode_worker`` over the wire (its ``/set_internal_state``) on a
+        scheduler that takes them (``serving.node_leases.WireLeases``); the node's token bucket
+        follows at once. Returns the reservations it revoked. ``ValueError`` when the nodes' leases
+        come from an in-process node policy."""
+        if not self.takes_wire_leases():
+            raise ValueError("this cluster's decode nodes take their leases from an in-process scheduler")
+        self._advance()
+        now = self.sim.now_s
+        scheduler: Any = self.sim.scheduler
+        revoked: list[int] = scheduler.install_lease(decode_worker, budgets, ttl_s, now)
+        rate, expires_s = scheduler.lease_rate(decode_worker)
+        self.sim.decode[decode_worker].bucket.set_lease(now, rate, expires_s)
+        self._kick()
+        return revoked
+
     def submit_borrowed(
         self,
         token_ids: Sequence[int] | np.ndarray,

@@ -219,6 +219,11 @@ class HttpServer:
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
+        except asyncio.CancelledError:
+            # stop() (or the loop's end) cancelled the connection: this task is the top of its own
+            # stack, so it ends here. Ending cancelled would make Python 3.11's start_server callback
+            # call task.exception() and log a CancelledError traceback per open connection.
+            pass
         finally:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 writer.close()

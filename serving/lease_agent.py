@@ -25,11 +25,11 @@ import re
 import time
 from typing import Any
 
-import httpx
-
 from policies.node_state import NodeState
+from serving.http import dumps, loads
 from serving.router import NODE_STATE_PATH
-from serving.sglang_plugin.wire import node_states_from_server_info
+from serving.sglang_plugin.wire import node_states_from_server_info, takes_lease_updates
+from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 _METRIC = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(?P<value>\S+)$")
 
@@ -95,41 +95,57 @@ class LeaseAgent:
         self.last_lease: dict[str, Any] | None = None
         self.last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
-        self._client: httpx.AsyncClient | None = None
+        self.takes_leases = False
+        """Whether the worker installs pushed leases (``wire.takes_lease_updates``; the router then
+        pushes each lease it publishes for the node)."""
 
-    async def read_state(self, client: httpx.AsyncClient) -> NodeState:
-        info = (await client.get(self.worker_url + "/server_info")).json()
+    @staticmethod
+    async def _call(
+        client: UpstreamClient, method: str, url: str, body: bytes | None = None, **headers: str
+    ) -> bytes:
+        """One exchange; the body of a 200 answer, else ``UpstreamError`` naming the status."""
+        status, data = await client.fetch(method, url, body, headers=headers or None)
+        if status != 200:
+            raise UpstreamError(f"{method} {url}: HTTP {status}: {data[:200].decode(errors='replace')}")
+        return data
+
+    async def read_state(self, client: UpstreamClient) -> NodeState:
+        info = loads(await self._call(client, "GET", self.worker_url + "/server_info"))
+        self.takes_leases = isinstance(info, dict) and takes_lease_updates(info)
         try:
             state = node_states_from_server_info(info)[0]
         except ValueError:
-            loads = (await client.get(self.worker_url + "/v1/loads")).json()
-            metrics = (await client.get(self.worker_url + "/metrics")).text
-            return node_state_from_loads(self.node_id, time.time(), loads, metrics)
+            load = loads(await self._call(client, "GET", self.worker_url + "/v1/loads"))
+            metrics = (await self._call(client, "GET", self.worker_url + "/metrics")).decode()
+            return node_state_from_loads(self.node_id, time.time(), load, metrics)
         return state
 
-    async def report_once(self, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def report_once(self, client: UpstreamClient) -> dict[str, Any]:
         """Read the worker's state and post it; the control plane's answer (the lease now held)."""
         state = await self.read_state(client)
-        resp = await client.post(
-            self.control_url + NODE_STATE_PATH,
-            json={"node_id": self.node_id, "node_state": state.to_dict()},
-            headers={"authorization": f"Bearer {self.token}"},
+        body = dumps(
+            {"node_id": self.node_id, "node_state": state.to_dict(), "takes_leases": self.takes_leases}
         )
-        resp.raise_for_status()
-        answer: dict[str, Any] = resp.json()
+        headers = {**JSON_HEADERS, "Authorization": f"Bearer {self.token}"}
+        answer: dict[str, Any] = loads(
+            await self._call(client, "POST", self.control_url + NODE_STATE_PATH, body, **headers)
+        )
         self.reports += 1
         self.last_lease = answer.get("lease")
         return answer
 
     async def run(self) -> None:
-        async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
+        client = UpstreamClient(timeout_s=5.0)
+        try:
             while True:
                 try:
                     await self.report_once(client)
-                except (httpx.HTTPError, ValueError) as exc:
+                except (UpstreamError, ValueError, TypeError) as exc:
                     self.errors += 1
                     self.last_error = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(self.interval_s)
+        finally:
+            await client.aclose()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self.run())

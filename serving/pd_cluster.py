@@ -58,7 +58,7 @@ from policies.routing import CacheAwareConfig, OverloadProtection
 from serving.gateways import GatewayKind, GatewaySpec
 from serving.http import HttpError, HttpRequest, HttpServer, SseStream, send_json, send_text
 from serving.replay import LAG_KEY, LAG_SINCE_PARAM, TIME_SCALE_KEY
-from serving.sglang_plugin.wire import INTERNAL_STATE_KEY
+from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, is_lease_update, parse_lease_update
 
 Role = Literal["prefill", "decode"]
 
@@ -466,7 +466,9 @@ class PDWorker:
         self.cluster = cluster
         self.role: Role = role
         self.idx = idx
-        self.http = HttpServer(self._route, cluster.host, port)
+        # keep-alive as SGLang's uvicorn: a gateway's pooled connections are reused (a stream still
+        # ends its connection)
+        self.http = HttpServer(self._route, cluster.host, port, keep_alive=True)
         self.bootstrap = BootstrapServer(cluster.host, bootstrap_port or 0) if role == "prefill" else None
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -536,6 +538,9 @@ class PDWorker:
         if path == "/abort_request" and method == "POST":
             await self._abort_request(request.json(), writer)
             return
+        if path == "/set_internal_state" and method == "POST":
+            await send_json(writer, 200, self._set_internal_state(request.json()))
+            return
         if path == "/flush_cache" and method in ("POST", "GET"):
             if self.cluster.live.flush_cache(self.role, self.idx):
                 await send_text(writer, 200, "Cache flushed.\n")
@@ -588,6 +593,29 @@ class PDWorker:
             task.cancel()
         await send_json(writer, 200, {"aborted": len(tasks)})
 
+    def _set_internal_state(self, body: Any) -> list[bool]:
+        """SGLang's ``POST /set_internal_state`` as the Crossflow plugin answers a lease update
+        (``wire.lease_update_body``): a decode worker whose cluster takes wire leases installs it
+        (``LiveCluster.install_lease``); ``HttpError(400)`` naming what is wrong otherwise."""
+        args = body.get("server_args") if isinstance(body, dict) else None
+        if not isinstance(args, dict):
+            raise HttpError(400, "field 'server_args' must be an object")
+        if not is_lease_update(args):
+            raise HttpError(
+                400, "field 'server_args': this emulated worker takes only crossflow_lease_* updates"
+            )
+        if self.role != "decode" or not self.cluster.live.takes_wire_leases():
+            raise HttpError(
+                400, "lease update refused: this worker's leases do not come over the wire (a prefill "
+                "worker, or a cluster whose decode nodes run their own scheduler)"
+            )  # fmt: skip
+        try:
+            budgets, ttl_s = parse_lease_update(args)
+        except ValueError as exc:
+            raise HttpError(400, f"field 'server_args': {exc}") from None
+        self.cluster.live.install_lease(self.idx, budgets, ttl_s)
+        return [True]  # SGLang's answer: one boolean per data-parallel rank
+
     # ---------------------------------------------------------------- reports
     def load(self) -> WorkerLoad:
         return self.cluster.live.load(self.role, self.idx)
@@ -629,7 +657,11 @@ class PDWorker:
         }
         if self.role == "decode":  # what the Crossflow plugin adds on a real decode worker (wire.py)
             state = c.live.node_state(self.idx)
-            info["internal_states"][0][INTERNAL_STATE_KEY] = {"node_state": state.to_dict()}
+            plugin: dict[str, Any] = {"node_state": state.to_dict()}
+            if c.live.takes_wire_leases():  # as the plugin, which installs pushed leases
+                lease = c.live.sim.scheduler.ledger.lease(self.idx)  # type: ignore[union-attr]
+                plugin["lease"] = None if lease is None else lease.to_dict()
+            info["internal_states"][0][INTERNAL_STATE_KEY] = plugin
         if self.bootstrap is not None:
             info["disaggregation_bootstrap_port"] = self.bootstrap.port
         return info

@@ -64,10 +64,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 
 from envs.live import PrefixResolver
+from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
 from policies.path import PathDecision, PathQuery
 from policies.routing import (
@@ -99,6 +99,8 @@ from serving.resilience import (
     RetryConfig,
     is_retryable,
 )
+from serving.sglang_plugin.wire import MARKER_FIELD, lease_update_accepted, lease_update_body
+from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 if TYPE_CHECKING:
     from policies.bundle import PolicyBundle
@@ -117,7 +119,6 @@ STATE_FRESH_INTERVALS = 1.5
 
 _APIS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _API_PATHS = {api: path for path, api in _APIS.items()}
-_JSON = {"content-type": "application/json"}
 
 
 class SchedulerLike(Protocol):
@@ -355,6 +356,8 @@ class _Flight:
     request_id: int
     gen: Generation
     hashes: list[int]
+    common_json: bytes = b"{}"
+    """The client's body without the fields each leg sets (``_LEG_FIELDS``), encoded once."""
     prefill: Worker | None = None
     decode: Worker | None = None
     prefill_entry: int | None = None
@@ -448,12 +451,22 @@ class Router:
         self._rooms = np.random.default_rng(config.seed + 2)
         self._next_id = 0
         self._reports: dict[int, tuple[NodeState, float]] = {}
+        self._lease_takers: set[int] = set()
+        """Decode nodes whose agents say their worker installs pushed leases (``_push_leases``)."""
+        self._pushed: dict[int, tuple[Any, ...]] = {}
+        """Per node, the lease last installed there (policy generation, budgets, expiry)."""
+        self._pushing: set[int] = set()
+        self._push_tasks: set[asyncio.Task[None]] = set()
         self._reservation_nodes: dict[tuple[int, int], int] = {}
         """Active borrow reservations (policy generation, reservation id) -> their node (to label
         revocations; ids of two policies' ledgers may coincide)."""
         self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
-        self.control = HttpServer(self._control_route, config.control_host, config.control_port)
-        self.client: httpx.AsyncClient | None = None
+        self.control = HttpServer(
+            self._control_route, config.control_host, config.control_port, keep_alive=True
+        )
+        self.upstream: UpstreamClient | None = None
+        """Every request to a worker (legs, aborts, lease pushes, health checks, load polls): keep-alive
+        pools per worker (``serving.upstream``)."""
         self._t0 = time.perf_counter()
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics()
@@ -472,9 +485,7 @@ class Router:
         return (time.perf_counter() - self._t0) / self.config.time_scale
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        timeout = httpx.Timeout(self.config.request_timeout_s, connect=5.0)
-        self.client = httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
+        self.upstream = UpstreamClient(timeout_s=self.config.request_timeout_s, connect_timeout_s=5.0)
         self._t0 = time.perf_counter()
         await self.http.start()
         await self.control.start()
@@ -498,13 +509,16 @@ class Router:
 
     async def stop(self) -> None:
         await self._stop_control_loop()
+        for push in list(self._push_tasks):
+            push.cancel()
+        await asyncio.gather(*self._push_tasks, return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.http.stop()
         await self.control.stop()
-        if self.client is not None:
-            await self.client.aclose()
+        if self.upstream is not None:
+            await self.upstream.aclose()
 
     # ---------------------------------------------------------------- metrics
     def _metrics(self) -> None:
@@ -534,6 +548,11 @@ class Router:
             "crossflow:policy_reloads_total",
             "Policy reloads on the control plane, by the new policy's name.",
             ("policy",),
+        )
+        self.m_pushes = r.counter(
+            "crossflow:lease_pushes_total",
+            "Leases sent to decode workers that install them (/set_internal_state), by result.",
+            ("node", "result"),
         )
         self.m_borrowed_tokens = r.counter(
             "crossflow:lease_borrowed_prefill_tokens_total",
@@ -588,13 +607,13 @@ class Router:
         cfg = self.config.health
         if not cfg.enabled:
             return
-        assert self.client is not None
+        assert self.upstream is not None
         while True:
             for w in self.prefill + self.decode:
                 try:
-                    resp = await self.client.get(w.url + cfg.endpoint, timeout=cfg.timeout_s)
-                    ok = resp.status_code == 200
-                except httpx.HTTPError:
+                    status, _ = await self.upstream.get(w.url + cfg.endpoint, timeout_s=cfg.timeout_s)
+                    ok = status == 200
+                except UpstreamError:
                     ok = False
                 w.health.record(ok)
             self._refresh_flags()
@@ -603,20 +622,18 @@ class Router:
     async def _load_loop(self, rule: OverloadProtection) -> None:
         """smg's load monitor: every ``load_monitor_interval_s`` (emulated), each worker's
         ``/v1/loads`` sets its overload flag."""
-        assert self.client is not None
+        assert self.upstream is not None
         while True:
             for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
                 flags = []
                 for w in workers:
                     try:
-                        resp = await self.client.get(
-                            w.url + "/v1/loads", params={"include": "core"}, timeout=5.0
-                        )
-                        snap = resp.json()["loads"][0]
+                        _, body = await self.upstream.get(w.url + "/v1/loads?include=core", timeout_s=5.0)
+                        snap = loads(body)["loads"][0]
                         flags.append(
                             rule.is_overloaded(int(snap["num_waiting_reqs"]), float(snap["token_usage"]))
                         )
-                    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                    except (UpstreamError, ValueError, KeyError, IndexError, TypeError):
                         flags.append(self._overloaded[role][w.idx])
                 self._overloaded[role] = flags
             self._refresh_flags()
@@ -660,13 +677,24 @@ class Router:
             self.scheduler, self.policy = scheduler, info
             self.policy_generation += 1
             self._start_control_loop()
+            if scheduler is None:
+                self._revoke_pushed_leases()
             self.m_reloads.inc(info.name)
             return previous
 
     async def _control_loop(self, scheduler: SchedulerLike, generation: int) -> None:
+        """Control intervals on a fixed grid of wall times (a late wake-up does not shift the ones
+        after it, as the simulator's ticks are never shifted); one that falls a whole interval
+        behind restarts the grid from now rather than running the missed ones back to back."""
         interval_s = scheduler.control_interval_s
+        wall_interval_s = interval_s * self.config.time_scale
+        due_s = time.perf_counter()
         while True:
-            await asyncio.sleep(interval_s * self.config.time_scale)
+            due_s += wall_interval_s
+            late_s = time.perf_counter() - due_s
+            if late_s > wall_interval_s:
+                due_s += wall_interval_s * math.floor(late_s / wall_interval_s)
+            await asyncio.sleep(max(0.0, due_s - time.perf_counter()))
             now = self.now_s()
             fresh = [
                 replace(state, time_s=now)
@@ -677,6 +705,52 @@ class Router:
             for rid in revoked or ():
                 with contextlib.suppress(KeyError):
                     self.m_revocations.inc(self._reservation_nodes.pop((generation, rid)))
+            self._push_leases(scheduler.ledger, now, generation)
+
+    # ---------------------------------------------------------------- leases over the wire
+    def _push_leases(self, ledger: Any, now_s: float, generation: int) -> None:
+        """Send each lease-taking node the lease just published for it, when it changed (a new
+        budget, expiry or policy): ``POST /set_internal_state`` with ``wire.lease_update_body``, the
+        time it has left as its TTL, so the worker's own re-check admits against the router's lease.
+        An expired lease is not sent (the worker's copy lapses at the same TTL); a zero one is (a
+        revocation). One push per node at a time; one that fails is sent again at the next interval."""
+        for j in sorted(self._lease_takers - self._pushing):
+            lease = ledger.lease(j)
+            if lease is None or (not lease.budgets.is_zero() and not lease.is_live(now_s)):
+                continue
+            key = (generation, lease.budgets.as_tuple(), lease.expires_s)
+            if self._pushed.get(j) != key:
+                ttl_s = lease.ttl_s if lease.budgets.is_zero() else lease.expires_s - now_s
+                self._start_push(j, lease.budgets, ttl_s, key)
+
+    def _start_push(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
+        self._pushing.add(node)
+        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key))
+        self._push_tasks.add(task)
+        task.add_done_callback(self._push_tasks.discard)
+
+    async def _push_lease(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
+        assert self.upstream is not None
+        ok = False
+        try:
+            status, answer = await self.upstream.post_json(
+                self.decode[node].url + "/set_internal_state",
+                lease_update_body(budgets, ttl_s),
+                timeout_s=5.0,
+            )
+            ok = status == 200 and lease_update_accepted(_json_or_none(answer))
+        except UpstreamError:
+            pass
+        finally:
+            self._pushing.discard(node)
+        if ok:
+            self._pushed[node] = key
+        self.m_pushes.inc(node, "installed" if ok else "failed")
+
+    def _revoke_pushed_leases(self) -> None:
+        """Send every lease-taking node an all-zero lease (a reload to a policy without leases)."""
+        for j in sorted(self._lease_takers - self._pushing):
+            self._start_push(j, LeaseBudgets.zero(), 1.0, (self.policy_generation, "revoked"))
 
     # ---------------------------------------------------------------- control plane
     async def _control_route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
@@ -700,6 +774,10 @@ class Router:
             if state is None:
                 raise HttpError(400, "field 'node_state' must be an object")
             self._reports[node] = (state, self.now_s())
+            if body.get("takes_leases") is True:
+                self._lease_takers.add(node)
+            else:
+                self._lease_takers.discard(node)
             self.m_reports.inc(node)
             lease = self.scheduler.ledger.lease(node) if self.scheduler is not None else None
             answer = {
@@ -791,7 +869,8 @@ class Router:
             await send_json(writer, exc.status, {"error": {"message": exc.message, "code": exc.status}})
             return
         self._next_id += 1
-        flight = _Flight(self._next_id, gen, self._hasher.page_hashes(gen.token_ids))
+        common = {k: v for k, v in body.items() if k not in _LEG_FIELDS}
+        flight = _Flight(self._next_id, gen, self._hasher.page_hashes(gen.token_ids), dumps(common))
         client = _ClientSide(writer, gen.stream)
         try:
             status = await self._serve(flight, body, client)
@@ -884,10 +963,10 @@ class Router:
         return decision if decision.path == "borrow" else None
 
     # ---------------------------------------------------------------- the two paths
-    def _room_body(self, body: dict[str, Any], p: Worker, rid: str) -> dict[str, Any]:
+    def _room_fields(self, p: Worker, rid: str) -> dict[str, Any]:
+        """A leg's request id and prefill worker's bootstrap fields, with a fresh room."""
         room = int(self._rooms.integers(0, 2**ROOM_BITS - 1))
         return {
-            **body,
             "rid": rid,
             "bootstrap_host": p.host,
             "bootstrap_port": p.bootstrap_port,
@@ -927,9 +1006,9 @@ class Router:
         d = d if d is not None and d.available else self._pick("decode", flight, avoid)
         flight.prefill = flight.decode = None  # a retry picks again
         rid = f"crossflow-{flight.request_id}-{secrets.token_hex(4)}"
-        leg_body = self._room_body(body, p, rid)
-        prefill_body = {k: v for k, v in leg_body.items() if k != "stream_options"}
-        prefill_body["stream"] = False
+        room = self._room_fields(p, rid)
+        leg_body = _leg_json(flight.common_json, {**room, **_stream_fields(body)})
+        prefill_body = _leg_json(flight.common_json, {**room, "stream": False})
         self._enter(flight, d, p)
         prefill_task = asyncio.create_task(self._prefill_leg(p, prefill_body, flight.gen.api))
         # the prefill pool counts the request until its prefill worker answered (policies.routing)
@@ -960,23 +1039,23 @@ class Router:
     async def _cancel_leg(self, task: asyncio.Task[Any], w: Worker, rid: str) -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        assert self.client is not None
-        with contextlib.suppress(httpx.HTTPError):
-            await self.client.post(w.url + "/abort_request", json={"rid": rid}, timeout=5.0)
+        assert self.upstream is not None
+        with contextlib.suppress(UpstreamError):
+            await self.upstream.post_json(w.url + "/abort_request", {"rid": rid}, timeout_s=5.0)
 
-    async def _prefill_leg(self, p: Worker, body: dict[str, Any], api: str) -> None:
-        assert self.client is not None
+    async def _prefill_leg(self, p: Worker, body: bytes, api: str) -> None:
+        assert self.upstream is not None
         try:
-            resp = await self.client.post(p.url + _API_PATHS[api], content=dumps(body), headers=_JSON)
-        except httpx.HTTPError as exc:
+            status, content = await self.upstream.fetch(
+                "POST", p.url + _API_PATHS[api], body, headers=JSON_HEADERS
+            )
+        except UpstreamError as exc:
             p.breaker.record(False)
-            raise LegFailed(
-                0, f"prefill worker {p.url}: {type(exc).__name__}: {exc}", p, transport=True
-            ) from None
+            raise LegFailed(0, f"prefill worker {p.url}: {exc}", p, transport=True) from None
         problem = (
-            _event_error(_json_or_none(resp.content))
-            if resp.status_code == 200
-            else (resp.status_code, resp.text[:500])
+            _event_error(_json_or_none(content))
+            if status == 200
+            else (status, content.decode(errors="replace")[:500])
         )
         p.breaker.record(problem is None or not is_retryable(problem[0]))
         if problem is not None:
@@ -990,7 +1069,8 @@ class Router:
         res, d = decision.reservation_id, self.decode[decision.node_id]
         p = flight.prefill if flight.prefill is not None else self._pick("prefill", flight, set())
         rid = f"crossflow-{flight.request_id}-{secrets.token_hex(4)}"
-        leg_body = {**self._room_body(body, p, rid), "do_local_prefill": True}
+        fields = {**self._room_fields(p, rid), **_stream_fields(body), MARKER_FIELD: True}
+        leg_body = _leg_json(flight.common_json, fields)
         self._enter(flight, d, None)
         started = False
         reported = self._reports.get(d.idx)
@@ -1026,30 +1106,27 @@ class Router:
         return not is_retryable(status) or (path == "borrow" and status == 503)
 
     async def _relay(
-        self, d: Worker, body: dict[str, Any], client: _ClientSide, flight: _Flight, path: str, on_first: Any
+        self, d: Worker, body: bytes, client: _ClientSide, flight: _Flight, path: str, on_first: Any
     ) -> int:
         """Send ``body`` to decode worker ``d`` and relay its answer to the client; ``LegFailed``
         before the first token (nothing was sent to the client then)."""
-        assert self.client is not None
+        assert self.upstream is not None
         api = flight.gen.api
         url = d.url + _API_PATHS[api]
         sent_s = time.perf_counter()
         scale = self.config.time_scale
         try:
-            request = self.client.build_request("POST", url, content=dumps(body), headers=_JSON)
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self.upstream.request("POST", url, body, headers=JSON_HEADERS)
+        except UpstreamError as exc:
             d.breaker.record(False)
-            raise LegFailed(
-                0, f"decode worker {d.url}: {type(exc).__name__}: {exc}", d, transport=True
-            ) from None
+            raise LegFailed(0, f"decode worker {d.url}: {exc}", d, transport=True) from None
         try:
-            if resp.status_code != 200 or not flight.gen.stream:
-                whole = await resp.aread()
+            if resp.status != 200 or not flight.gen.stream:
+                whole = await resp.read()
                 problem = (
                     _event_error(_json_or_none(whole))
-                    if resp.status_code == 200
-                    else (resp.status_code, whole.decode(errors="replace")[:500])
+                    if resp.status == 200
+                    else (resp.status, whole.decode(errors="replace")[:500])
                 )
                 if problem is not None:
                     d.breaker.record(self._worker_fine(problem[0], path))
@@ -1061,7 +1138,7 @@ class Router:
                 self.m_completed.inc(path)
                 return 200
             last_s, last_tokens, done = sent_s, 0, False
-            async for line in resp.aiter_lines():
+            async for line in resp.lines():
                 data = _sse_data(line)
                 if data is None:
                     continue
@@ -1091,17 +1168,35 @@ class Router:
                 last_s = now
                 await client.send(data)
             if not done:
-                raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+                raise UpstreamError("RemoteProtocolError: the stream ended without [DONE]")
             await client.done()
             self.m_completed.inc(path)
             return 200
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             d.breaker.record(False)
-            raise LegFailed(
-                0, f"decode worker {d.url}: {type(exc).__name__}: {exc}", d, transport=True
-            ) from None
+            raise LegFailed(0, f"decode worker {d.url}: {exc}", d, transport=True) from None
         finally:
-            await resp.aclose()
+            await resp.close()
+
+
+_LEG_FIELDS = frozenset(
+    {"rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "stream", "stream_options", MARKER_FIELD}
+)
+"""Body fields the router sets per leg (the rest of the client's body is relayed as it came)."""
+
+
+def _stream_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's streaming fields, which the decode leg keeps."""
+    return {k: body[k] for k in ("stream", "stream_options") if k in body}
+
+
+def _leg_json(common_json: bytes, fields: Mapping[str, Any]) -> bytes:
+    """The encoded object ``common_json`` (none of ``fields``' keys in it) with ``fields`` added: the
+    client's body is encoded once per request, not once per leg and attempt."""
+    tail = dumps(dict(fields))
+    if common_json.strip() == b"{}":
+        return tail
+    return common_json.rstrip()[:-1] + b"," + tail[1:]
 
 
 def _json_or_none(data: bytes) -> Any:

@@ -58,20 +58,27 @@ def router_config(cluster: EmulatedCluster, **fields: Any) -> RouterConfig:
 REPORTS_PER_INTERVAL = 4
 """Lease agents report this many times per control interval, so the state the router's scheduler
 reads at its interval is at most a quarter of one old."""
+MIN_REPORT_INTERVAL_WALL_S = 0.01
+"""Nor more often than this (wall seconds): against nearly instant emulated workers (a tiny time
+scale) a quarter interval is well under a millisecond, and the agents' reads would take the router's
+loop from the requests it serves."""
 
 
 def start_lease_agents(
     router: Router, decode_urls: Sequence[str], control_interval_s: float | None = None
 ) -> list[LeaseAgent]:
     """One lease agent per decode worker, reporting to ``router`` ``REPORTS_PER_INTERVAL`` times per
-    ``control_interval_s`` (emulated; None: the router's scheduler's), started on the running loop.
+    ``control_interval_s`` (emulated; None: the router's scheduler's; at most once per
+    ``MIN_REPORT_INTERVAL_WALL_S``), started on the running loop.
     None without a scheduler unless ``control_interval_s`` is given (a router that may reload a lease
     policy needs its nodes' states from the start)."""
     if control_interval_s is None:
         if router.scheduler is None:
             return []
         control_interval_s = router.scheduler.control_interval_s
-    interval_wall_s = control_interval_s * router.config.time_scale / REPORTS_PER_INTERVAL
+    interval_wall_s = max(
+        MIN_REPORT_INTERVAL_WALL_S, control_interval_s * router.config.time_scale / REPORTS_PER_INTERVAL
+    )
     agents = [
         LeaseAgent(url, j, router.control_url, router.control_token, interval_wall_s)
         for j, url in enumerate(decode_urls)

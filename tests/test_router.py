@@ -122,6 +122,16 @@ def test_page_trees_and_prefill_queue() -> None:
     assert queue.tokens(3.0) == 0
 
 
+def test_a_legs_body_is_the_clients_encoded_once_plus_the_legs_fields() -> None:
+    from serving.router import _leg_json
+
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}
+    leg = json.loads(_leg_json(json.dumps(body).encode(), {"rid": "r", "stream": False}))
+    assert leg == {**body, "rid": "r", "stream": False}
+    assert json.loads(_leg_json(b"{}", {"bootstrap_room": 7})) == {"bootstrap_room": 7}
+    assert json.loads(_leg_json(b'{ "a": 1 } ', {"b": 2})) == {"a": 1, "b": 2}
+
+
 def test_normal_path_serves_the_three_apis_by_dual_dispatch() -> None:
     config = ClusterConfig(n_prefill=2, n_decode=2)
     with _stack(config) as (_, cluster, stack), _client() as c:
@@ -563,3 +573,167 @@ def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
     assert "URL [BOOTSTRAP_PORT]" in capsys.readouterr().err
     assert main(["router", "--prefill", "x:1", "--decode", "http://y"]) == 2
     assert "http://" in capsys.readouterr().err
+
+
+def _wait(predicate: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_leases_are_pushed_to_workers_that_take_them_and_their_recheck_uses_them() -> None:
+    """Decode workers that install pushed leases (as with the plugin; here ``WireLeases``): the router
+    sends each lease it publishes over ``/set_internal_state``, the node admits a borrowed request only
+    on it, and a lease the router revokes is revoked on the node too (the node then refuses)."""
+    from serving.node_leases import WireLeases
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2, control_interval_s=0.1)
+    nodes = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    scheduler = BorrowMarked()  # the router's lease on node 0, none on node 1
+    lease = LeaseBudgets(100_000, 10**6, 0, 10**5, 100)
+    scheduler.ledger.publish(0, lease, 0.0, 10.0)  # 10 000 prefill tokens per emulated second
+    with (
+        _stack(
+            config, worker_scheduler=nodes, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+        ) as (background, cluster, stack),
+        _client() as c,
+    ):
+        router = stack.router
+        assert _wait(lambda: nodes.installs[0] >= 1), "the lease reached node 0"
+        assert all(a.takes_leases for a in stack.agents)
+        assert nodes.ledger.lease(0).budgets == lease
+        assert nodes.ledger.lease(0).expires_s == pytest.approx(10.0, abs=1.0), "the time it had left"
+        assert nodes.ledger.lease(1) is None, "no lease published for node 1: none sent"
+        ids = list(range(100, 100 + BORROW_TOKENS))
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6}, "stream": True}
+        events = _events(c.post(f"{router.url}/generate", json=body).text)
+        assert events[-2]["meta_info"]["completion_tokens"] == 6
+        assert [r.path for r in cluster.live.sim.reqs].count(1) == 1, "prefilled on node 0, on its lease"
+        assert scheduler.calls == ["started", "prefill_done", "finished"]
+        assert nodes.ledger.active_ids() == [], "the node's reservation ended with the request"
+        # the router revokes node 0's lease: the zero lease is pushed and the node refuses borrowing
+        background.loop.call_soon_threadsafe(scheduler.ledger.revoke, 0, router.now_s())
+        assert _wait(lambda: nodes.ledger.lease(0).budgets.is_zero()), "the revocation reached the node"
+        local = {**body, "do_local_prefill": True}
+        refused = _events(c.post(cluster.decode_urls[0] + "/generate", json=local).text)
+        assert refused[0]["meta_info"]["finish_reason"]["status_code"] == 503, refused
+        # a new lease in the router's ledger is sent again
+        background.loop.call_soon_threadsafe(scheduler.ledger.publish, 0, lease, router.now_s(), 10.0)
+        assert _wait(lambda: not nodes.ledger.lease(0).budgets.is_zero()), "the new lease reached the node"
+        metrics = c.get(f"{router.url}/metrics").text
+        assert 'crossflow:lease_pushes_total{node="0",result="installed"} 3' in metrics
+        assert 'crossflow:lease_pushes_total{node="1"' not in metrics
+        # bad lease updates are refused naming the field
+        bad = c.post(cluster.decode_urls[0] + "/set_internal_state", json={"server_args": {"x": 1}})
+        assert bad.status_code == 400 and "crossflow_lease_" in bad.text
+        bad = c.post(
+            cluster.decode_urls[0] + "/set_internal_state",
+            json={"server_args": {"crossflow_lease_ttl_s": 1.0}},
+        )
+        assert bad.status_code == 400 and "missing key" in bad.text
+        bad = c.post(cluster.prefill_urls[0] + "/set_internal_state", json={"server_args": {}})
+        assert bad.status_code == 400
+
+
+def test_a_policy_reload_reaches_the_nodes_through_their_next_leases() -> None:
+    """Nodes that install pushed leases hold no policy of their own, so a reload on the control plane
+    reaches them with the new policy's leases: to a policy without leases, every node's lease is
+    revoked at once; back to a lease policy, its leases are installed at its first intervals."""
+    from serving.node_leases import WireLeases
+    from serving.router import POLICY_PATH
+    from train.serve_cli import served_policy
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2, control_interval_s=0.1)
+    nodes = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+
+    def loader(ref: str) -> Any:
+        other = served_policy(ref)
+        return other.scheduler(config, cm), other.info
+
+    with (
+        _stack(
+            config,
+            scale=1.0,
+            worker_scheduler=nodes,
+            scheduler=build_scheduler("utilisation", config, cm),
+            estimator=ClusterEstimator(config, cm),
+            policy_loader=loader,
+            control_token="tok",
+        ) as (_, _, stack),
+        _client() as c,
+    ):
+        router = stack.router
+
+        def node_leases_live() -> bool:
+            now = router.now_s() - 0.05  # the nodes' clock starts a moment before the router's
+            leases = [nodes.ledger.lease(j) for j in (0, 1)]
+            return all(x is not None and not x.budgets.is_zero() and x.is_live(now) for x in leases)
+
+        assert _wait(node_leases_live), "the utilisation policy's leases reached both nodes"
+        auth = {"authorization": "Bearer tok"}
+        route = router.control_url + POLICY_PATH
+        assert c.post(route, json={"policy": "static"}, headers=auth).status_code == 200
+        assert router.scheduler is None
+        assert _wait(lambda: all(nodes.ledger.lease(j).budgets.is_zero() for j in (0, 1))), "revoked"
+        assert c.post(route, json={"policy": "utilisation"}, headers=auth).status_code == 200
+        assert _wait(node_leases_live), "the reloaded policy's leases reached both nodes"
+        assert router.scheduler is not None
+        ledger = router.scheduler.ledger
+        assert _wait(lambda: all(nodes.ledger.lease(j).budgets == ledger.lease(j).budgets for j in (0, 1)))
+
+
+@pytest.mark.slow
+def test_serve_run_s_stops_the_router_cleanly_with_streams_and_idle_connections_open() -> None:
+    """``crossflow serve --router crossflow --run-s N`` ends while clients stream and keep idle
+    connections: the streams end, the exit status is 0 and nothing is printed on stderr (no
+    CancelledError traceback from the handlers it cancels)."""
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    serve = "serve --emulate 1P2D --port 0 --router crossflow --policy heuristic --time-scale 4 --run-s 5"
+    command = [sys.executable, "-m", "train.cli", *serve.split()]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in iter(proc.stdout.readline, ""):
+            found = re.search(r"router\s+(http://127\.0\.0\.1:\d+)", line)
+            url = found[1] if found else url
+            if line.startswith("serving "):
+                break
+        assert url is not None
+        ended: list[str] = []
+
+        def stream() -> None:
+            body = {"input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 5000}, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/generate", json=body, timeout=30, trust_env=False) as r:
+                    for _ in r.iter_lines():
+                        pass
+                ended.append("ended")
+            except httpx.HTTPError as exc:
+                ended.append(type(exc).__name__)
+
+        clients = [threading.Thread(target=stream) for _ in range(3)]
+        for t in clients:
+            t.start()
+        with _client() as idle:  # an idle keep-alive connection to the router and one to a worker
+            assert idle.get(f"{url}/health").status_code == 200
+            assert idle.get(f"{url}/v1/models").status_code == 200
+            _, err = proc.communicate(timeout=60)
+        for t in clients:
+            t.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert len(ended) == 3, "every stream ended"
+    assert err == "", err

@@ -79,6 +79,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the cluster's random choices")
     p.add_argument("--run-s", type=float, default=None, help="stop after this many wall seconds")
+    p.add_argument(
+        "--node-leases",
+        choices=("wire", "local"),
+        default="wire",
+        help="--router crossflow: wire (default): the decode workers install the leases the router "
+        "pushes, as workers running the plugin; local: each runs --policy itself, as the simulator "
+        "(a policy reload then does not reach them)",
+    )
     add_model_arguments(p)
     add_cluster_arguments(p)
     p.set_defaults(func=_run_serve)
@@ -117,7 +125,14 @@ def _build(args: argparse.Namespace) -> Any:
         **model_options(args),
     )
     config, cost_model = point.cluster(), point.cost_model()
-    scheduler = served.scheduler(config, cost_model)  # the emulated workers' own (their lease checks)
+    if args.router == "crossflow" and args.node_leases == "wire":
+        from serving.node_leases import WireLeases
+
+        # as workers running the plugin: each node installs the lease Crossflow's router pushes to it
+        # (so a policy reload reaches the nodes through their next leases)
+        scheduler: Any = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    else:
+        scheduler = served.scheduler(config, cost_model)  # the emulated workers' own (their lease checks)
     with_router = args.router != "none"
     first = args.port + 1 if (with_router and args.port) else args.port
     live = LiveCluster(

@@ -14,7 +14,7 @@ What it does, in order (every process on 127.0.0.1, stopped at the end):
    --enable-metrics``), by default both on GPU 0 with ``--mem-fraction-static 0.35`` each and the
    ``mooncake_tcp`` transfer backend (no RDMA needed); waits for ``/health``;
 2. checks the plugin is loaded and enabled (``/server_info`` -> ``internal_states[0].crossflow``) and
-   installs a lease through ``/set_internal_state`` (what the lease agent will do);
+   installs a lease through ``/set_internal_state`` (what the Crossflow router does for each lease);
 3. starts smg 1.13.0 in PD mode over the two workers (the normal path) and a borrow-all forwarder
    that sends every request to the decode worker alone with ``do_local_prefill: true`` and the
    prefill worker's bootstrap fields (what the Crossflow router sends on the borrowed path; it stands

@@ -135,6 +135,27 @@ def parse_lease_update(server_args: Mapping[str, Any]) -> tuple[LeaseBudgets, fl
     return budgets, float(ttl_s)
 
 
+def takes_lease_updates(server_info: Mapping[str, Any]) -> bool:
+    """Whether a worker installs lease updates sent with :func:`lease_update_body`: every rank of its
+    ``/server_info`` carries the plugin's ``crossflow.lease`` (the plugin always reports it, ``None``
+    before its first lease). A worker without the plugin, or an emulated worker whose leases come
+    from its own in-process scheduler, does not."""
+    states = server_info.get("internal_states")
+    if not isinstance(states, list) or not states:
+        return False
+    for state in states:
+        plugin = state.get(INTERNAL_STATE_KEY) if isinstance(state, Mapping) else None
+        if not isinstance(plugin, Mapping) or "lease" not in plugin:
+            return False
+    return True
+
+
+def lease_update_accepted(answer: Any) -> bool:
+    """Whether a ``/set_internal_state`` answer says the update was installed: SGLang 0.5.23 answers
+    one boolean per data-parallel rank (``[true]``), false where no hook took the keys."""
+    return isinstance(answer, list) and bool(answer) and all(a is True for a in answer)
+
+
 def node_states_from_server_info(server_info: Mapping[str, Any]) -> list[NodeState]:
     """The ``NodeState`` of every data-parallel rank of a worker running the plugin, from its
     ``/server_info`` answer; ``ValueError`` when a rank reports none (the plugin is not loaded)."""
@@ -161,10 +182,12 @@ __all__ = [
     "MARKER_FIELD",
     "ROUTING_KEY_MARK",
     "is_lease_update",
+    "lease_update_accepted",
     "lease_update_body",
     "mark_routing_key",
     "node_states_from_server_info",
     "parse_lease_update",
     "requests_local_prefill",
+    "takes_lease_updates",
     "unmark_routing_key",
 ]
