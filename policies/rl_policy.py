@@ -34,13 +34,13 @@ pressure rules and ITL budget stay in force whatever the knobs say).
 Observation (:data:`FEATURES`, each in [0, 1] before the learned normalisation): the **traffic mix**
 (log of uncached input tokens : expected output tokens arriving, over the last 1 and 5 minutes),
 uncached prefill work arriving against what the prefill pool computes (10 s and 60 s), the request
-rate, the normal path's queue wait over the TTFT SLO (the latest request's, and the interval's
-largest), KV occupancy (mean and largest), batch share, recent step over the TPOT SLO, borrowed tasks
-and borrowed prefill queued on the decode nodes (in seconds of their leases' rate, over the SLO), the
-interference model's predicted safe prefill rate, the share of nodes under decode pressure, and the
-policy's own shares of borrowed and shed requests over the last 10 s. The traffic mix and the pool's
-load are measured by the path policy itself from the requests it is asked about (``PathQuery``), so
-neither ``NodeState`` nor the router had to carry anything new.
+rate, the normal path's queue wait over the TTFT SLO (the latest request's, and the largest since
+the last decision), KV occupancy (mean and largest), batch share, recent step over the TPOT SLO,
+borrowed tasks and borrowed prefill queued on the decode nodes (in seconds of their leases' rate,
+over the SLO), the interference model's predicted safe prefill rate, the share of nodes under decode
+pressure, and the policy's own shares of borrowed and shed requests over the last 10 s. The traffic
+mix and the pool's load are measured by the path policy itself from the requests it is asked about
+(``PathQuery``), so neither ``NodeState`` nor the router had to carry anything new.
 
 Artifact: ``<stem>.npz`` (layers ``w0, b0, ...``, ``obs_mean``, ``obs_var``) and ``<stem>.json``
 (feature and action names, knob ranges, normalisation constants, provenance: command, seed, steps).
@@ -53,7 +53,7 @@ import json
 import math
 import zipfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,7 @@ def action_to_knobs(action: np.ndarray) -> Knobs:
     v = {}
     for i, name in enumerate(ACTIONS):
         lo, hi = getattr(KNOB_RANGES, name)
-        v[name] = lo + (hi - lo) * (a[i] + 1.0) / 2.0
+        v[name] = float(lo + (hi - lo) * (a[i] + 1.0) / 2.0)
     return Knobs(v["lease_share"], v["wait_share"], min(v["borrow_margin"], 0.99), v["shed_factor"])
 
 
@@ -193,6 +193,12 @@ def _unit(x: float) -> float:
 _LOG_MIX_LO, _LOG_MIX_SPAN = -3.0, 10.0
 """log(uncached input : output) is mapped from [-3, 7] to [0, 1] (Mooncake is about 3, chat about 0)."""
 _LOG_RATE = math.log1p(256.0)
+_PRESSURE: dict[str, float] = {
+    f.name: f.default
+    for f in fields(HeuristicPolicy)
+    if f.name in ("kv_high_watermark", "batch_high_fraction")
+}
+"""The heuristic's decode-pressure thresholds (its defaults), for the ``decode_pressure_share`` feature."""
 _LOG_SAFE = math.log1p(131_072.0)
 
 
@@ -319,6 +325,8 @@ class LearnedPath(LeasePath):
         weights: the trained actor; ``None``: the knobs stay as set (``knobs``, or ``set_action`` from
             the training environment).
         knobs: the knobs before the first interval, and for good when ``weights`` is ``None``.
+        decision_intervals: the actor runs every this many control intervals (what it was trained
+            with, ``decision_intervals`` in the artifact's metadata); the knobs hold in between.
         prefix_reuse_share: decode-side prefix reuse (``LeasePath``).
 
     Every call is deterministic in its inputs and the requests seen so far.
@@ -333,6 +341,7 @@ class LearnedPath(LeasePath):
         predictor: SafePrefillPredictor | None = None,
         weights: MlpWeights | None = None,
         knobs: Knobs = HEURISTIC_KNOBS,
+        decision_intervals: int = 1,
         prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
     ) -> None:
         super().__init__(
@@ -344,6 +353,10 @@ class LearnedPath(LeasePath):
         )
         if weights is not None and predictor is None:
             raise ValueError("LearnedPath: a trained policy needs the interference-model predictor")
+        if decision_intervals < 1:
+            raise ValueError(f"LearnedPath.decision_intervals must be >= 1, got {decision_intervals!r}")
+        self.decision_intervals = decision_intervals
+        self._intervals = 0
         self.slo_ttft_s = cluster.slo_ttft_s
         self.slo_tpot_s = cluster.slo_tpot_s
         self.predictor = predictor
@@ -361,8 +374,9 @@ class LearnedPath(LeasePath):
 
     # ---- knobs ------------------------------------------------------------------------------------
     def set_knobs(self, knobs: Knobs) -> None:
-        """Apply ``knobs`` to the per-request rule from now on."""
+        """Apply ``knobs`` to the per-request rule from now on (and reset the interval's largest wait)."""
         self.knobs = knobs
+        self._max_wait_s = self._last_wait_s
         self.wait_limit_s = knobs.wait_share * self.slo_ttft_s
         self.borrow_margin = knobs.borrow_margin
         self.shed_limit_s = math.inf if knobs.shed_factor is None else knobs.shed_factor * self.slo_ttft_s
@@ -391,8 +405,8 @@ class LearnedPath(LeasePath):
             decode_pressure_reason(
                 s,
                 itl_target_s=self.slo_tpot_s,
-                kv_high_watermark=HeuristicPolicy.kv_high_watermark,
-                batch_high_fraction=HeuristicPolicy.batch_high_fraction,
+                kv_high_watermark=_PRESSURE["kv_high_watermark"],
+                batch_high_fraction=_PRESSURE["batch_high_fraction"],
             )
             is not None
             for s in states
@@ -420,9 +434,9 @@ class LearnedPath(LeasePath):
 
     def plan(self, now_s: float, states: Sequence[NodeState]) -> Mapping[int, float] | None:
         """Run the actor on this interval's features (when trained) and size the leases."""
-        if self.weights is not None:
+        if self.weights is not None and self._intervals % self.decision_intervals == 0:
             self.set_action(self.weights.forward(self.features(now_s, states)))
-        self._max_wait_s = self._last_wait_s
+        self._intervals += 1
         share = self.knobs.lease_share
         return None if share >= 1.0 else {s.node_id: share for s in states}
 
@@ -453,13 +467,14 @@ def _make_learned(
 ) -> LearnedPath:
     """Registry factory of path policy ``rl``: the weights at ``artifact`` (default: the shipped ones);
     ``learner=True``: no weights, the knobs are set from outside each interval (the training env)."""
-    weights = None if learner else load_artifact(artifact or DEFAULT_ARTIFACT)[0]
+    weights, meta = (None, {}) if learner else load_artifact(artifact or DEFAULT_ARTIFACT)
     return LearnedPath(
         ctx.cost,
         ctx.cluster,
         pool_tokens_per_s=prefill_pool_tokens_per_s(ctx),
         predictor=ctx.require_predictor("path policy 'rl'"),
         weights=weights,
+        decision_intervals=int(meta.get("decision_intervals", 1)),
         prefix_reuse_share=prefix_reuse_share,
     )
 
