@@ -343,7 +343,7 @@ class PathLeaseEnv(gym.Env[np.ndarray, np.ndarray]):
             seed=window.sim_seed,
         )
         counter = GoodputCounter(self.cluster.slo_ttft_s, self.cluster.slo_tpot_s)
-        sim.listener = counter  # type: ignore[assignment]
+        sim.listener = counter
         return sim, counter
 
     # ---- gymnasium API ------------------------------------------------------------------------------

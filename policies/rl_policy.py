@@ -194,7 +194,7 @@ _LOG_MIX_LO, _LOG_MIX_SPAN = -3.0, 10.0
 """log(uncached input : output) is mapped from [-3, 7] to [0, 1] (Mooncake is about 3, chat about 0)."""
 _LOG_RATE = math.log1p(256.0)
 _PRESSURE: dict[str, float] = {
-    f.name: f.default
+    f.name: float(f.default)  # type: ignore[arg-type]
     for f in fields(HeuristicPolicy)
     if f.name in ("kv_high_watermark", "batch_high_fraction")
 }
