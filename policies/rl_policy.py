@@ -61,7 +61,14 @@ import numpy as np
 
 from policies.catalog import CROSSFLOW_SOURCE, PolicySpec, register_policy
 from policies.context import ClusterView, CostEstimator, PolicyContext
-from policies.lease_path import DEFAULT_PREFIX_REUSE_SHARE, LeasePath, prefill_pool_tokens_per_s
+from policies.lease_path import (
+    DEFAULT_BORROW_MARGIN,
+    DEFAULT_PREFIX_REUSE_SHARE,
+    DEFAULT_SHED_TTFT_FACTOR,
+    DEFAULT_TTFT_SHARE,
+    LeasePath,
+    prefill_pool_tokens_per_s,
+)
 from policies.ledger import LeaseLedger
 from policies.node_policies import HeuristicPolicy, SafePrefillPredictor, decode_pressure_reason, predict_safe
 from policies.node_state import NodeState
@@ -144,8 +151,17 @@ class Knobs:
         return np.array(out, dtype=np.float32)
 
 
-HEURISTIC_KNOBS = Knobs(lease_share=1.0, wait_share=0.4, borrow_margin=0.1, shed_factor=None)
-"""The tuned heuristic's rule (``policies.lease_path`` defaults): where training starts."""
+HEURISTIC_KNOBS = Knobs(
+    lease_share=1.0, wait_share=DEFAULT_TTFT_SHARE, borrow_margin=DEFAULT_BORROW_MARGIN, shed_factor=None
+)
+"""The ``heuristic``'s rule (``policies.lease_path`` defaults); the knobs of the environment's warm-up."""
+SHED_KNOBS = Knobs(
+    lease_share=1.0,
+    wait_share=DEFAULT_TTFT_SHARE,
+    borrow_margin=DEFAULT_BORROW_MARGIN,
+    shed_factor=DEFAULT_SHED_TTFT_FACTOR,
+)
+"""``heuristic-shed``'s rule: the heuristic's, shedding past twice the TTFT SLO."""
 GREEDY_KNOBS = Knobs(lease_share=1.0, wait_share=0.0, borrow_margin=0.0, shed_factor=None)
 """``greedy-model``: whichever path the estimates say is fastest, leases at the full prediction."""
 
@@ -539,6 +555,7 @@ __all__ = [
     "GREEDY_KNOBS",
     "HEURISTIC_KNOBS",
     "KNOB_RANGES",
+    "SHED_KNOBS",
     "DecayedSum",
     "Knobs",
     "LearnedPath",

@@ -99,10 +99,14 @@ def test_a_tiny_training_run_exports_a_policy_with_its_provenance_and_resumes(tm
     out = tmp_path / "run"
     _, meta = load_artifact(result["artifact"])
     assert meta["command"] == "crossflow train-rl --test" and meta["seed"] == 0 and meta["steps"] == 32
-    assert meta["selected_steps"] in (16, 32) and meta["decision_intervals"] == TINY.decision_intervals
+    assert (
+        meta["selected_steps"] in (0, 16, 32)
+        and meta["start"] == "heuristic-shed"
+        and meta["decision_intervals"] == TINY.decision_intervals
+    )
     assert {"static", "heuristic", "rl"} <= set(result["summary"])
     evals = json.loads((out / "eval.json").read_text())["evals"]
-    assert [e["steps"] for e in evals] == [16, 32]
+    assert [e["steps"] for e in evals] == [0, 16, 32]  # the untrained start rule is a candidate too
     assert (out / "checkpoints" / "ppo_16.pt").is_file()
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run folder missing"
     resumed = train(_tiny_config(tmp_path, total_steps=48, resume=str(out / "checkpoints" / "ppo_32.pt")))

@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cli.add_parser(sub)
     try:
         from train import rl_cli
-    except ImportError:  # the RL extra (torch, stable-baselines3) is not installed
+    except ImportError:  # the RL extra (torch) is not installed
         rl_cli = None  # type: ignore[assignment]
     if rl_cli is not None:
         rl_cli.add_parser(sub)

@@ -71,6 +71,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=env.decision_intervals,
         help="control intervals per agent step (default: %(default)s)",
     )
+    p.add_argument(
+        "--start",
+        default=defaults.start,
+        choices=("heuristic", "heuristic-shed"),
+        help="the rule the untrained policy starts at (default: %(default)s)",
+    )
     p.add_argument("--no-wandb", action="store_true", help="no W&B logging")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -139,6 +145,7 @@ def run_train_rl(args: argparse.Namespace) -> int:
         export=args.export,
         eval_every=args.eval_every,
         eval_windows=args.eval_windows,
+        start=args.start,
         ppo=dataclasses.replace(
             defaults.ppo,
             n_steps=args.n_steps,

@@ -12,6 +12,7 @@ policy to W&B (offline unless the user set ``WANDB_MODE``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -31,6 +32,8 @@ from policies.rl_policy import (
     ARTIFACT_PARAM,
     FEATURES,
     HEURISTIC_KNOBS,
+    SHED_KNOBS,
+    Knobs,
     MlpWeights,
     action_to_knobs,
     load_artifact,
@@ -43,6 +46,8 @@ BASELINES: tuple[str, ...] = ("static", "heuristic", "heuristic-shed", "greedy-m
 """What the learned policy is scored against: no lending, Crossflow's rule (without and with
 shedding), the ablation (the model's estimates, greedy, no learning), and the best tuned peer on
 Mooncake among those that do not borrow leases (``policies/data/tuned_policies.json``)."""
+STARTS: dict[str, Knobs] = {"heuristic": HEURISTIC_KNOBS, "heuristic-shed": SHED_KNOBS}
+"""Where the untrained actor's mean starts (``TrainConfig.start``)."""
 VALIDATION_SEED = 4321
 """Seed of the validation windows (development side; the training windows come from ``seed``)."""
 
@@ -112,11 +117,12 @@ class TrainConfig:
             gamma=0.9,
             gae_lambda=0.9,
             log_std_init=-0.7,
-            init_action=tuple(float(x) for x in HEURISTIC_KNOBS.to_action()),
         )
     )
-    """PPO's hyperparameters. The untrained actor's mean is the heuristic's knobs, so PPO learns
-    state-dependent departures from Crossflow's rule rather than starting from the middle of the box."""
+    """PPO's hyperparameters (``init_action`` None: the knobs of ``start``)."""
+    start: str = "heuristic-shed"
+    """The rule the untrained actor's mean starts at (``STARTS``): PPO learns state-dependent
+    departures from one of Crossflow's fixed rules rather than starting from the middle of the box."""
     wandb: bool = True
     progress: bool = True
     command: str = ""
@@ -233,6 +239,8 @@ class _Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         if cfg.total_steps < 1 or cfg.n_envs < 1:
             raise ValueError("total_steps and n_envs must be >= 1")
+        if cfg.start not in STARTS:
+            raise ValueError(f"start must be one of {sorted(STARTS)}, got {cfg.start!r}")
         self.cfg = cfg
         self.out = Path(cfg.out)
         for sub in ("checkpoints", "candidates"):
@@ -244,7 +252,11 @@ class _Trainer:
         factories = [_make_env(cfg.env, cfg.predictor) for _ in range(cfg.n_envs)]
         self.venv = make_vector_env(factories, processes=cfg.processes)
         self.venv.reset(seed=cfg.seed)
-        self.ppo = PPO(self.venv, cfg.ppo)
+        ppo_cfg = cfg.ppo
+        if ppo_cfg.init_action is None:
+            start = tuple(float(x) for x in STARTS[cfg.start].to_action())
+            ppo_cfg = dataclasses.replace(ppo_cfg, init_action=start)
+        self.ppo = PPO(self.venv, ppo_cfg)
         if cfg.resume:
             import torch
 
@@ -332,7 +344,8 @@ class _Trainer:
             "predictor_metadata": {
                 k: v for k, v in getattr(self.predictor, "metadata", {}).items() if k in keep
             },
-            "ppo": cfg.ppo.to_dict(),
+            "ppo": self.ppo.cfg.to_dict(),
+            "start": cfg.start,
             "libraries": _library_versions(),
             "validation_summary": summary,
         }
@@ -420,6 +433,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from tqdm import tqdm
 
         trainer.bar = tqdm(total=cfg.total_steps, initial=start_steps, unit="step", desc="train-rl")
+    if cfg.resume is None:
+        trainer.run_eval(0)  # the untrained actor (the start rule) is a candidate too
     t0 = time.perf_counter()
     try:
         if ppo.num_timesteps < cfg.total_steps:
