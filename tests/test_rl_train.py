@@ -135,4 +135,4 @@ def test_rl_runs_through_simulate_and_compare(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert main(argv) == 0
     capacity = json.loads((out / "results.json").read_text())["capacity"]
-    assert {"rl", "greedy-model"} <= {c["policy"] for c in capacity}
+    assert {"rl", "greedy-model"} <= {c["point"]["policy"] for c in capacity if c["role"] == "capacity"}
