@@ -1,130 +1,156 @@
-"""A gymnasium environment over the PD simulator for learning lease policies (see ``LeaseEnv``).
+"""A gymnasium environment over the PD simulator for learning the ``rl`` policy (see ``PathLeaseEnv``).
 
 Also holds what training and evaluation share with it: the reward (:class:`RewardWeights`,
-:func:`reward_terms`), episode windows (:class:`Window`, :func:`eval_windows`) and
-:meth:`LeaseEnv.run_policy`, which replays one window with any ``NodePolicy`` (static, heuristic,
-the exported ``rl``) so all of them are compared on identical arrivals.
+:class:`GoodputCounter`), episode windows (:class:`Window`, :func:`draw_windows`) and
+:meth:`PathLeaseEnv.run_policy`, which replays one window with any catalog policy (static, heuristic,
+the peers, ``greedy-model``, the exported ``rl``) so all of them are scored on identical arrivals.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
-from envs.arrivals import sample_sessions, split_sessions, subset
+from envs.arrivals import poisson_retime, sample_sessions, subset
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
 from envs.request import Trace
-from envs.simulator import Counters, Simulator
-from envs.traces import load_trace
-from policies.lease import LeaseBudgets
-from policies.ledger import LeaseLedger
-from policies.node_policies import NodePolicy, SafePrefillPredictor
-from policies.node_state import NodeState
-from policies.rl_policy import (
-    FEATURES,
-    N_ACTIONS,
-    LeaseShape,
-    action_to_controls,
-    decode_pressure,
-    lease_budgets,
-    observe,
-    predict_safe,
-)
-from policies.scheduler import ClusterScheduler
+from envs.sim_state import SHED_ERROR_PREFIX, ReqState
+from envs.simulator import Simulator
+from envs.splits import development_trace, heldout_trace
+from policies.catalog import make_scheduler, policy_spec, tuned_params
+from policies.context import PolicyContext
+from policies.node_policies import SafePrefillPredictor
+from policies.rl_policy import ACTIONS, FEATURES, HEURISTIC_KNOBS, LearnedPath
 from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
 _OBSERVE_BEFORE_TICK_S = 1e-6
-"""Observations are taken this long before a control tick, so the tick applies the action chosen
-from (to within a microsecond) the state it sees."""
+"""Observations are taken this long before a control tick; the action applies from then on (the
+tick sizes its leases with it), so it acts on (to within a microsecond) the state it saw."""
+SIDES = ("dev", "heldout")
 
 
 @dataclass(frozen=True)
 class RewardWeights:
-    """Reward per control interval, from differences of the simulator's running ``Counters``.
+    """Reward per control interval: SLO goodput, each request counted once, when its fate is known.
 
-    ``reward = input_token_value x d(prefill_tokens) + output_token_value x d(output_tokens)
-    - itl_miss_cost x d(itl_slo_miss_tokens) - ttft_miss_cost x d(ttft_slo_misses)
-    - fallback_cost x d(fallbacks)``.
+    ``reward = met_value x met - miss_cost x missed - shed_cost x shed`` where, during the interval,
 
-    * Tokens served (input and output) are the goal; within a window of fixed length, serving more
-      is higher throughput. Output tokens are worth more per token because each costs a whole decode
-      iteration, while a prefill chunk computes thousands of tokens at once.
-    * ITL misses: an output token produced by an iteration slower than the ITL target. Its cost is
-      twice its value, so lending that slows decode past the target loses reward: this is what keeps
-      "decode always wins" when the shield is off.
-    * TTFT misses: a request whose first token came later than the TTFT target. Without this term a
-      policy gains nothing from shortening the prefill queue that the throughput terms do not see.
-    * Fallbacks: a borrowed request sent back to the normal path before its first token (its lease
-      was revoked or expired). Without this term "lend, then revoke" is free; it wastes a transfer
-      and delays the request.
+    * ``met``: requests that finished within both SLOs (TTFT <= ``slo_ttft_s``, mean inter-token time
+      <= ``slo_tpot_s``: the rule ``crossflow compare`` counts);
+    * ``missed``: requests whose first token came late (counted at the first token, so the signal
+      comes seconds before the finish), or that finished in time for TTFT but over the TPOT SLO;
+      at the end of an episode every request still waiting past its TTFT deadline is counted too;
+    * ``shed``: requests the policy shed (refused at arrival).
 
-    Reward hacking this guards against: *never lending* earns the static cluster's tokens and no
-    penalties, so it is the safe floor, not an optimum, whenever borrowing serves more; *lend and
-    revoke* pays the fallback cost. Residual risk: the token terms count prefill computed, so a
-    policy could in principle prefer requests with less cache reuse; the scheduler, not the policy,
-    picks the requests, which limits that.
+    Why these terms. Capacity at SLO is the highest load whose served SLO share stays above 90 %, and at
+    a given load the share rises exactly with goodput, so goodput is the reward. A miss costs as much
+    as a met request is worth, so "serve everything late" scores below "serve fewer in time". A shed
+    request is an SLO miss in ``compare`` (it stays in the denominator), so shedding costs the same as
+    a miss: it pays only when it lets others meet the SLO, never as a way to make a request disappear.
+    Hacks closed: *delaying* work past the episode end (waiting requests past their deadline are
+    counted at the end); *shedding* to hide load (costs a miss); *starving decode* for TTFT (TPOT
+    misses cost the same). Requests refused for the context window leave the count, as in ``compare``.
     """
 
-    input_token_value: float = 1e-5
-    output_token_value: float = 1e-3
-    itl_miss_cost: float = 2e-3
-    ttft_miss_cost: float = 0.5
-    fallback_cost: float = 0.2
+    met_value: float = 1.0
+    miss_cost: float = 1.0
+    shed_cost: float = 1.0
+
+    def reward(self, met: int, missed: int, shed: int) -> float:
+        return self.met_value * met - self.miss_cost * missed - self.shed_cost * shed
 
 
-def counters_delta(after: Counters, before: Counters) -> Counters:
-    """Field-wise ``after - before``."""
-    return Counters(
-        **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(Counters)}
-    )
+class GoodputCounter:
+    """A simulator listener (``envs.simulator.SimListener``) that counts requests meeting or missing the
+    SLO as their fate becomes known (see :class:`RewardWeights`)."""
 
+    def __init__(self, slo_ttft_s: float, slo_tpot_s: float) -> None:
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+        self.met = 0
+        self.missed = 0
+        self.shed = 0
+        self._late: set[int] = set()
 
-def reward_terms(delta: Counters, weights: RewardWeights) -> dict[str, float]:
-    """The reward's terms for one interval's counter differences (their sum is the reward)."""
-    return {
-        "input_tokens": weights.input_token_value * delta.prefill_tokens,
-        "output_tokens": weights.output_token_value * delta.output_tokens,
-        "itl_misses": -weights.itl_miss_cost * delta.itl_slo_miss_tokens,
-        "ttft_misses": -weights.ttft_miss_cost * delta.ttft_slo_misses,
-        "fallbacks": -weights.fallback_cost * delta.fallbacks,
-    }
+    def counts(self) -> tuple[int, int, int]:
+        return self.met, self.missed, self.shed
+
+    def on_first_token(self, req: ReqState) -> None:
+        if req.first_token_s - req.arrival_s > self.slo_ttft_s:
+            self._late.add(req.rid)
+            self.missed += 1
+
+    def on_finish(self, req: ReqState) -> None:
+        if req.rid in self._late:
+            self._late.discard(req.rid)
+            return
+        tpot_s = (req.finish_s - req.first_token_s) / (req.output - 1) if req.output > 1 else 0.0
+        if tpot_s <= self.slo_tpot_s:
+            self.met += 1
+        else:
+            self.missed += 1
+
+    def on_reject(self, req: ReqState) -> None:
+        if req.error.startswith(SHED_ERROR_PREFIX):
+            self.shed += 1
+
+    def past_deadline(self, sim: Simulator) -> int:
+        """Requests that have arrived, have no first token and are already past the TTFT SLO."""
+        now = sim.now_s
+        return sum(
+            1
+            for r in sim.reqs
+            if r.arrival_s <= now - self.slo_ttft_s and math.isnan(r.first_token_s) and not r.error
+        )
+
+    def on_decode_iteration(self, w: Any) -> None:
+        pass
+
+    def on_prefill_iteration(self, pw: Any) -> None:
+        pass
+
+    def on_kv_landed(self, req: ReqState) -> None:
+        pass
 
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """Everything that defines the environment (picklable, so subprocess vector envs rebuild it)."""
+    """Everything that defines the environment (picklable)."""
 
-    trace: str = "agent"
-    """Bundled trace name or trace file."""
+    trace: str = "mooncake"
+    """Bundled trace name (its development side is used; ``envs.splits``)."""
     shape: str = "2P4D"
     gpu: str = "H200"
     model: str = "gpt-oss-120b"
     tp: int = 1
+    decode_prefix_cache: bool = True
+    """Decode workers keep a prefix cache (as the shipped tuning and ``compare --decode-prefix-cache``)."""
     control_interval_s: float = DEFAULT_CONTROL_INTERVAL_S
+    load_range: tuple[float, float] = (1.5, 4.0)
+    """Load factor drawn uniformly per episode (static saturates near 0.87 on Mooncake 2P4D; the
+    tuned heuristic near 2.5)."""
+    warmup_s_range: tuple[float, float] = (20.0, 60.0)
+    """Simulated time run at the heuristic's knobs before the agent acts (drawn per episode, rounded
+    to the control grid), so episodes start from loaded, varied states."""
+    decision_intervals: int = 4
+    """Control intervals per agent step (the knobs hold for that long; the deployed policy runs its
+    actor as often, ``LearnedPath.decision_intervals``): 2 s, long enough for a knob to show in the
+    SLO counts, short against the minutes over which the traffic mix moves."""
+    episode_steps: int = 45
+    """Agent steps per episode (90 s of simulated time at the defaults)."""
     n_sessions: int = 48
     """Closed-loop traces: sessions sampled into one episode's window."""
     base_session_rate_per_s: float = 0.05
-    """Closed-loop traces: session start rate at load factor 1 (as ``crossflow compare``)."""
-    load_range: tuple[float, float] = (1.0, 4.0)
-    """Load factor drawn uniformly per training episode."""
-    warmup_s_range: tuple[float, float] = (30.0, 240.0)
-    """Simulated time run with no lending before the agent acts (drawn per episode, rounded to the
-    control grid), so episodes start from loaded, varied states rather than an empty cluster."""
-    episode_intervals: int = 240
-    """Control intervals per episode (the agent makes ``n_decode`` decisions per interval)."""
+    """Closed-loop traces: session start rate at load factor 1."""
     max_think_s: float = 300.0
-    """Think times are capped at this (as in ``crossflow compare``)."""
-    eval_fraction: float = 0.2
-    """Share of sessions (closed-loop) or of the trace's time span (open-loop) held out for evaluation."""
-    split_seed: int = 0
-    lease_shape: LeaseShape = field(default_factory=LeaseShape)
     reward: RewardWeights = field(default_factory=RewardWeights)
 
     def __post_init__(self) -> None:
@@ -136,18 +162,27 @@ class EnvConfig:
             raise ValueError(
                 f"EnvConfig.warmup_s_range must satisfy 0 <= low <= high, got {self.warmup_s_range}"
             )
-        if self.episode_intervals < 1 or self.n_sessions < 1 or not self.control_interval_s > 0:
+        if min(self.episode_steps, self.decision_intervals, self.n_sessions) < 1 or not (
+            self.control_interval_s > 0
+        ):
             raise ValueError(
-                "EnvConfig: episode_intervals, n_sessions and control_interval_s must be positive"
+                "EnvConfig: episode_steps, decision_intervals, n_sessions and control_interval_s must be "
+                "positive"
             )
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"EnvConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.lease_shape.ttl_s < self.control_interval_s:
-            raise ValueError("EnvConfig: lease_shape.ttl_s must be >= control_interval_s")
+
+    @property
+    def step_s(self) -> float:
+        """Simulated seconds per agent step."""
+        return self.decision_intervals * self.control_interval_s
 
     def cluster(self) -> ClusterConfig:
         return ClusterConfig.from_shape(
-            self.shape, gpu=self.gpu, model=self.model, tp=self.tp, control_interval_s=self.control_interval_s
+            self.shape,
+            gpu=self.gpu,
+            model=self.model,
+            tp=self.tp,
+            control_interval_s=self.control_interval_s,
+            decode_prefix_cache=self.decode_prefix_cache,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,35 +191,35 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class Window:
-    """One episode's workload: which part of the trace, at what load, with which seed."""
+    """One episode's workload: where in the trace side, at what load, with which seed."""
 
-    sample_seed: int
-    """Closed-loop: seed of the session sample; open-loop: seed of the window start."""
+    start: float
+    """Open-loop: where the window starts, as a share of the side's span; closed-loop: unused."""
     load: float
     sim_seed: int
+    """Seeds the simulator, the Poisson re-timing (open-loop) or the session sample (closed-loop)."""
     warmup_s: float
 
 
-def _draw_window(config: EnvConfig, rng: np.random.Generator) -> Window:
+def draw_window(config: EnvConfig, rng: np.random.Generator) -> Window:
     interval = config.control_interval_s
     warmup = round(float(rng.uniform(*config.warmup_s_range)) / interval) * interval
     return Window(
-        sample_seed=int(rng.integers(2**31)),
+        start=float(rng.uniform()),
         load=float(rng.uniform(*config.load_range)),
         sim_seed=int(rng.integers(2**31)),
         warmup_s=warmup,
     )
 
 
-def eval_windows(
-    config: EnvConfig, n: int, seed: int = 1234, loads: tuple[float, ...] | None = None
+def draw_windows(
+    config: EnvConfig, n: int, seed: int, loads: tuple[float, ...] | None = None
 ) -> list[Window]:
-    """``n`` fixed evaluation windows; loads cycle through ``loads`` (default: low, middle, high of the
-    training range) so every load level is covered."""
+    """``n`` fixed windows; loads cycle through ``loads`` (default: low, middle and high of the range)."""
     levels = loads or (config.load_range[0], sum(config.load_range) / 2, config.load_range[1])
     rng = np.random.default_rng(seed)
     return [
-        dataclasses.replace(_draw_window(config, rng), load=float(levels[i % len(levels)])) for i in range(n)
+        dataclasses.replace(draw_window(config, rng), load=float(levels[i % len(levels)])) for i in range(n)
     ]
 
 
@@ -197,90 +232,42 @@ def _cap_think(trace: Trace, max_s: float) -> Trace:
     return dataclasses.replace(trace, requests=reqs)
 
 
-class _EnvNodePolicy:
-    """The node policy the env's scheduler calls: zero (warm-up), the agent's controls, or a delegate."""
-
-    def __init__(self, shape: LeaseShape, predictor: SafePrefillPredictor, n_nodes: int) -> None:
-        self.shape = shape
-        self.predictor = predictor
-        self.mode = "zero"
-        self.delegate: NodePolicy | None = None
-        self.controls: list[tuple[float, int]] = [(0.0, 0)] * n_nodes
-
-    @property
-    def ttl_s(self) -> float:
-        return self.delegate.ttl_s if self.mode == "delegate" and self.delegate else self.shape.ttl_s
-
-    def decode_pressure(self, state: NodeState) -> str | None:
-        if self.mode == "delegate" and self.delegate is not None:
-            fn = getattr(self.delegate, "decode_pressure", None)
-            if fn is not None:
-                return fn(state)
-            return "policy proposes no lease" if self.delegate.propose(state).is_zero() else None
-        if self.mode == "agent" and not self.shape.shield:
-            return None
-        return decode_pressure(state, self.shape)
-
-    def propose(self, state: NodeState) -> LeaseBudgets:
-        if self.mode == "delegate" and self.delegate is not None:
-            return self.delegate.propose(state)
-        if self.mode != "agent":
-            return LeaseBudgets.zero()
-        scale, tasks = self.controls[state.node_id]
-        return lease_budgets(state, predict_safe(self.predictor, state), scale, tasks, self.shape)
-
-
-class LeaseEnv(gym.Env[np.ndarray, np.ndarray]):
-    """Learn how much each decode node lends, one node decision per step, parameters shared by nodes.
+class PathLeaseEnv(gym.Env[np.ndarray, np.ndarray]):
+    """Learn the ``rl`` policy's knobs: one step per control interval of the simulated PD cluster.
 
     ## Description
-    The PD cluster simulator replays a window of a bundled trace. Every control interval each decode
-    node publishes a lease; here the agent chooses it. One ``step`` decides for **one** decode node;
-    after the last node of the interval has decided, the simulator advances one control interval
-    and the next round of decisions starts. Deciding one node at a time with one set of parameters
-    is what the deployed ``rl`` policy needs (``propose(state)`` per node, any number of nodes), keeps
-    the observation and action small, and gives ``n_decode`` samples per simulated interval.
+    The PD cluster simulator replays a window of the development side of a bundled trace under the
+    catalog policy ``rl`` with its weights replaced by the agent: every step the agent sets the
+    knobs of ``policies.rl_policy.LearnedPath`` (lease share, wait share, borrow margin, shed factor)
+    for the next ``decision_intervals`` control intervals: every request arriving then is decided by
+    the lease rule under them, and their leases are sized with the lease share. Steps are
+    ``EnvConfig.step_s`` of simulated time apart. The scheduler, node policies and path policy
+    are exactly what ``crossflow simulate --policy rl`` builds (``policies.catalog.make_scheduler``);
+    only where the action comes from differs.
 
     ## Action Space
-    ``Box(-1, 1, (2,), float32)``: ``[compute_scale, task_share]`` mapped by
-    ``policies.rl_policy.action_to_controls``: the share of the interference model's predicted safe
-    prefill throughput to lend (at most 1 with the shield; ``unshielded_max_scale`` without), and the
-    number of borrowed tasks admitted (``round(share x max_tasks)``). TTL is a fixed policy
-    parameter (``LeaseShape.ttl_s``) because the scheduler treats it as a per-policy constant.
-    Shield (``LeaseShape.shield``, default on): never above the prediction, and zero under decode
-    pressure (queued decode requests, KV above the watermark, batch near its cap, or the recent step
-    above the ITL target), whatever the action.
+    ``Box(-1, 1, (4,), float32)``: ``policies.rl_policy.ACTIONS``, mapped by ``action_to_knobs``.
 
     ## Observation Space
-    ``Box(0, 1, (14,), float32)``: ``policies.rl_policy.FEATURES`` of the node being decided: batch
-    share, log context mean and spread, log remaining output, KV occupancy / reserved / free shares,
-    queued decode requests, borrowed tasks and queued borrowed prefill tokens, recent and decode-only
-    step times over the ITL target, the predicted safe throughput (log), and the decode-pressure
-    flag. Only what ``NodeState`` and the predictor give, because that is all a node policy sees when
-    deployed; prefill-pool congestion and the traffic mix reach the node through the scheduler (it
-    borrows only when the prefill pool is congested, so an unused lease costs nothing) and through
-    the borrowed work it sends. Giving the policy pool signals needs ``NodeState`` to carry them.
+    ``Box(0, 1, (17,), float32)``: ``policies.rl_policy.FEATURES`` (``LearnedPath.features``): the
+    traffic mix over 1 and 5 minutes, the prefill pool's load, the decode nodes, the policy's own
+    recent borrow and shed shares.
 
     ## Rewards
-    See :class:`RewardWeights`: tokens served minus ITL-miss, TTFT-miss and fallback costs, per
-    interval, cluster-wide (the simulator does not attribute misses to nodes). Each step returns
-    ``1 / n_decode`` of the most recently completed interval's reward (the stepping node's share), so
-    rewards have the same scale at every step and an episode's return is the sum of its intervals'.
+    :class:`RewardWeights`: SLO goodput per interval, misses and sheds at a cost.
 
     ## Starting State
-    ``reset`` draws a window from ``np_random``: ``n_sessions`` sessions of the training split
-    (closed-loop) or a time window of the training span (open-loop), a load factor in
-    ``load_range``, a simulator seed, and a warm-up in ``warmup_s_range`` run with no lending.
-    ``reset(options={"window": Window(...)})`` replays a given window (evaluation).
+    ``reset`` draws a :class:`Window` from ``np_random`` (a start in the side, a load in
+    ``load_range``, a seed, a warm-up run at the heuristic's knobs); ``reset(options={"window": w})``
+    replays a given one.
 
     ## Episode End
-    Truncated after ``episode_intervals`` intervals; terminated when the window's requests are all
-    finished.
+    Truncated after ``episode_steps`` steps; terminated when every request of the window is done.
 
     ## Arguments
-    ``config`` (:class:`EnvConfig`), ``predictor`` (the interference model; default: the shipped one
-    for the config's GPU/model/TP), ``trace`` (overrides ``config.trace``, e.g. a test fixture),
-    ``split`` (``"train"`` or ``"eval"``: which part of the trace windows come from).
+    ``config`` (:class:`EnvConfig`), ``predictor`` (the interference model; default: the shipped one),
+    ``side`` (``"dev"``, the default and the only one training uses, or ``"heldout"``), ``trace``
+    (replaces the trace side, e.g. a test fixture).
     """
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 - gymnasium's documented class attribute
@@ -290,14 +277,14 @@ class LeaseEnv(gym.Env[np.ndarray, np.ndarray]):
         config: EnvConfig | None = None,
         *,
         predictor: SafePrefillPredictor | None = None,
+        side: str = "dev",
         trace: Trace | None = None,
-        split: str = "train",
     ) -> None:
         super().__init__()
         self.config = config or EnvConfig()
-        if split not in ("train", "eval"):
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        self.split = split
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        self.side = side
         self.cluster = self.config.cluster()
         self.cost_model = CostModel(self.cluster.gpu, self.cluster.model, self.cluster.tp)
         if predictor is None:
@@ -305,168 +292,145 @@ class LeaseEnv(gym.Env[np.ndarray, np.ndarray]):
 
             predictor = default_predictor(self.cluster.gpu, self.cluster.model, self.cluster.tp)
         self.predictor = predictor
-        full = _cap_think(
-            trace if trace is not None else load_trace(self.config.trace), self.config.max_think_s
-        )
-        self.trace = self._split(full)
-        self.n_nodes = self.cluster.n_decode
+        if trace is None:
+            trace = (development_trace if side == "dev" else heldout_trace)(self.config.trace)
+        self.trace = _cap_think(trace, self.config.max_think_s)
+        self._span_s = max((r.arrival_s for r in self.trace.requests), default=0.0)
         self.observation_space = gym.spaces.Box(0.0, 1.0, (len(FEATURES),), np.float32)
-        self.action_space = gym.spaces.Box(-1.0, 1.0, (N_ACTIONS,), np.float32)
-        self._policy = _EnvNodePolicy(self.config.lease_shape, predictor, self.n_nodes)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (len(ACTIONS),), np.float32)
         self._sim: Simulator | None = None
-        self._obs = np.zeros((self.n_nodes, len(FEATURES)), np.float32)
-        self._safe = np.zeros(self.n_nodes)
-        self._node = 0
+        self._path: LearnedPath | None = None
+        self._goodput: GoodputCounter | None = None
+        self._counts = (0, 0, 0)
         self._interval = 0
         self._t_s = 0.0
-        self._counters = Counters()
-        self._step_reward = 0.0
         self.window: Window | None = None
 
-    # ---- trace split and windows --------------------------------------------------------------------
-    def _split(self, trace: Trace) -> Trace:
+    # ---- windows and simulations --------------------------------------------------------------------
+    def window_trace(self, window: Window) -> Trace:
+        """The requests ``window`` replays (open-loop: re-timed as a Poisson process from its seed)."""
         cfg = self.config
-        if trace.closed_loop:
-            held_out, training = split_sessions(trace, cfg.eval_fraction, cfg.split_seed)
-            return training if self.split == "train" else held_out
-        end_s = max((r.arrival_s for r in trace.requests), default=0.0)
-        cut_s = (1.0 - cfg.eval_fraction) * end_s
-        ids = [r.request_id for r in trace.requests if (r.arrival_s < cut_s) == (self.split == "train")]
-        offset = 0.0 if self.split == "train" else cut_s
-        return subset(trace, ids, f"{trace.name}[{self.split}]", arrival_offset_s=offset)
-
-    def _window_trace(self, window: Window) -> Trace:
-        cfg = self.config
-        rng = np.random.default_rng(window.sample_seed)
+        rng = np.random.default_rng(window.sim_seed)
         if self.trace.closed_loop:
-            n = min(cfg.n_sessions, len(self.trace.session_ids))
-            return sample_sessions(self.trace, n, rng)
-        # Open-loop: arrivals are divided by the load, so the window covers load x simulated time.
-        span_s = (window.warmup_s + cfg.episode_intervals * cfg.control_interval_s) * window.load
-        end_s = max((r.arrival_s for r in self.trace.requests), default=0.0)
-        start_s = float(rng.uniform(0.0, max(0.0, end_s - span_s)))
+            return sample_sessions(self.trace, min(cfg.n_sessions, len(self.trace.session_ids)), rng)
+        # Arrivals are divided by the load, so the window covers load x simulated time of the trace.
+        span_s = (window.warmup_s + cfg.episode_steps * cfg.step_s) * window.load
+        start_s = window.start * max(0.0, self._span_s - span_s)
         ids = [r.request_id for r in self.trace.requests if start_s <= r.arrival_s < start_s + span_s]
-        return subset(self.trace, ids, f"{self.trace.name}[window]", arrival_offset_s=start_s)
+        part = subset(self.trace, ids, f"{self.trace.name}[window]", arrival_offset_s=start_s)
+        return poisson_retime(part, rng)
 
-    def _start(self, window: Window, policy: _EnvNodePolicy) -> Simulator:
-        """A fresh simulator for ``window`` driven by ``policy``, run through its warm-up with no lending."""
-        scheduler = ClusterScheduler(
-            policy,
-            LeaseLedger(),
+    def simulator(
+        self, window: Window, policy: str, params: Mapping[str, Any] | None = None
+    ) -> tuple[Simulator, GoodputCounter]:
+        """A fresh simulator of ``window`` under catalog policy ``policy`` (``params``: dotted
+        parameters, default its shipped tuned values), with a goodput counter listening."""
+        spec = policy_spec(policy)
+        ctx = PolicyContext(
             ClusterEstimator(self.cluster, self.cost_model),
-            control_interval_s=self.config.control_interval_s,
+            self.cluster,
+            self.predictor if spec.needs_predictor else None,
         )
+        scheduler = make_scheduler(policy, ctx, params)
+        trace = self.window_trace(window)
         sim = Simulator(
-            self._window_trace(window),
+            trace,
             self.cluster,
             scheduler=scheduler,
             cost_model=self.cost_model,
             load_factor=window.load,
-            session_rate_per_s=self.config.base_session_rate_per_s,
+            session_rate_per_s=self.config.base_session_rate_per_s if trace.closed_loop else None,
             seed=window.sim_seed,
         )
-        policy.mode = "zero"
-        sim.step_until(window.warmup_s - _OBSERVE_BEFORE_TICK_S)
-        return sim
+        counter = GoodputCounter(self.cluster.slo_ttft_s, self.cluster.slo_tpot_s)
+        sim.listener = counter
+        return sim, counter
 
     # ---- gymnasium API ------------------------------------------------------------------------------
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
-        window = (options or {}).get("window") or _draw_window(self.config, self.np_random)
+        window = (options or {}).get("window") or draw_window(self.config, self.np_random)
         if not isinstance(window, Window):
             raise TypeError(f"options['window'] must be a Window, got {type(window).__name__}")
         self.window = window
-        self._sim = self._start(window, self._policy)
+        sim, self._goodput = self.simulator(window, "rl", {**tuned_params("rl"), "path.learner": True})
+        assert sim.scheduler is not None
+        path = sim.scheduler.path  # type: ignore[attr-defined]
+        assert isinstance(path, LearnedPath)
+        path.set_knobs(HEURISTIC_KNOBS)
+        sim.step_until(window.warmup_s - _OBSERVE_BEFORE_TICK_S)
+        self._sim, self._path = sim, path
         self._t_s = window.warmup_s
-        self._policy.mode = "agent"
-        self._policy.controls = [(0.0, 0)] * self.n_nodes
-        self._node = 0
         self._interval = 0
-        self._step_reward = 0.0
-        self._counters = dataclasses.replace(self._sim.counters)
-        self._snapshot()
-        return self._obs[0].copy(), {"node_id": 0, "window": dataclasses.asdict(window)}
+        self._counts = self._goodput.counts()
+        return self._observe(), {"window": dataclasses.asdict(window)}
 
-    def _snapshot(self) -> None:
-        assert self._sim is not None
-        shape = self.config.lease_shape
-        for state in self._sim.node_states():
-            safe = predict_safe(self.predictor, state)
-            self._safe[state.node_id] = safe
-            self._obs[state.node_id] = observe(state, safe, shape)
+    def _observe(self) -> np.ndarray:
+        assert self._sim is not None and self._path is not None
+        return self._path.features(self._sim.now_s, self._sim.node_states())
 
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        if self._sim is None:
+        if self._sim is None or self._path is None or self._goodput is None:
             raise RuntimeError("call reset() before step()")
-        node = self._node
-        self._policy.controls[node] = action_to_controls(action, self.config.lease_shape)
-        info: dict[str, Any] = {"node_id": node, "safe_tokens_per_s": float(self._safe[node])}
-        terminated = truncated = False
-        self._node += 1
-        if self._node == self.n_nodes:
-            self._node = 0
-            self._t_s += self.config.control_interval_s
-            more = self._sim.step_until(self._t_s - _OBSERVE_BEFORE_TICK_S)
-            self._interval += 1
-            now = dataclasses.replace(self._sim.counters)
-            terms = reward_terms(counters_delta(now, self._counters), self.config.reward)
-            self._counters = now
-            self._step_reward = sum(terms.values()) / self.n_nodes
-            info["reward_terms"] = terms
-            self._snapshot()
-            terminated = not more or self._sim.done
-            truncated = not terminated and self._interval >= self.config.episode_intervals
-        return self._obs[self._node].copy(), float(self._step_reward), terminated, truncated, info
+        self._path.set_action(np.asarray(action))
+        self._t_s += self.config.step_s
+        more = self._sim.step_until(self._t_s - _OBSERVE_BEFORE_TICK_S)
+        self._interval += 1
+        terminated = not more or self._sim.done
+        truncated = not terminated and self._interval >= self.config.episode_steps
+        met, missed, shed = (a - b for a, b in zip(self._goodput.counts(), self._counts, strict=True))
+        self._counts = self._goodput.counts()
+        if truncated:
+            missed += self._goodput.past_deadline(self._sim)
+        reward = self.config.reward.reward(met, missed, shed)
+        info = {"met": met, "missed": missed, "shed": shed, "knobs": dataclasses.asdict(self._path.knobs)}
+        return self._observe(), float(reward), terminated, truncated, info
 
     # ---- evaluation --------------------------------------------------------------------------------
-    def run_policy(self, window: Window, policy: NodePolicy) -> dict[str, float]:
-        """Replay ``window`` exactly as an episode would, with ``policy`` deciding every lease.
-
-        Independent of any running episode (its own simulator and scheduler).
-
-        Returns the episode's reward and serving figures over the controlled part (after warm-up):
-        input/output tokens per second, TTFT of requests that arrived in it (mean, p99, share past
-        the target, and how many had no first token by the end), ITL-miss token share, borrowed
-        prefill tokens and fallbacks.
-        """
+    def run_policy(
+        self, window: Window, policy: str, params: Mapping[str, Any] | None = None
+    ) -> dict[str, float]:
+        """Replay ``window`` as an episode would, under catalog policy ``policy`` throughout (its own
+        warm-up included: each policy is judged on the state it leads to). Independent of any running
+        episode. Returns the controlled part's reward, goodput (SLO-meeting requests per second), SLO
+        share of the requests whose fate became known, and misses and sheds."""
         cfg = self.config
-        wrapper = _EnvNodePolicy(cfg.lease_shape, self.predictor, self.n_nodes)
-        sim = self._start(window, wrapper)
-        wrapper.mode, wrapper.delegate = "delegate", policy
-        start_s, start = window.warmup_s, dataclasses.replace(sim.counters)
-        total = 0.0
+        sim, counter = self.simulator(window, policy, params)
+        sim.step_until(window.warmup_s - _OBSERVE_BEFORE_TICK_S)
+        start = counter.counts()
         intervals = 0
-        for k in range(1, cfg.episode_intervals + 1):
-            prev = dataclasses.replace(sim.counters)
-            more = sim.step_until(start_s + k * cfg.control_interval_s - _OBSERVE_BEFORE_TICK_S)
-            total += sum(reward_terms(counters_delta(sim.counters, prev), cfg.reward).values())
+        for k in range(1, cfg.episode_steps + 1):
             intervals = k
-            if not more or sim.done:
+            if not sim.step_until(window.warmup_s + k * cfg.step_s - _OBSERVE_BEFORE_TICK_S) or sim.done:
                 break
-        end_s = start_s + intervals * cfg.control_interval_s
-        d = counters_delta(sim.counters, start)
-        duration = max(end_s - start_s, 1e-9)
-        arrived = [r for r in sim.reqs if start_s <= r.arrival_s < end_s]
-        ttft = np.array([r.first_token_s - r.arrival_s for r in arrived if r.first_token_s <= end_s])
+        met, missed, shed = (a - b for a, b in zip(counter.counts(), start, strict=True))
+        missed += counter.past_deadline(sim)
+        duration_s = intervals * cfg.step_s
+        known = met + missed + shed
         return {
-            "reward": total,
-            "duration_s": duration,
-            "input_tokens_per_s": d.prefill_tokens / duration,
-            "output_tokens_per_s": d.output_tokens / duration,
-            "ttft_mean_s": float(ttft.mean()) if len(ttft) else math.nan,
-            "ttft_p99_s": float(np.quantile(ttft, 0.99)) if len(ttft) else math.nan,
-            "ttft_miss_share": d.ttft_slo_misses / max(d.first_tokens, 1),
-            "no_first_token": float(len(arrived) - len(ttft)),
-            "itl_miss_share": d.itl_slo_miss_tokens / max(d.output_tokens, 1),
-            "borrowed_prefill_tokens": float(d.borrowed_prefill_tokens),
-            "fallbacks": float(d.fallbacks),
+            "reward": cfg.reward.reward(met, missed, shed),
+            "goodput_per_s": met / duration_s,
+            "slo_share": met / known if known else math.nan,
+            "missed": float(missed),
+            "shed": float(shed),
         }
 
 
-ENV_ID = "crossflow/Lease-v0"
-"""``gymnasium.make(ENV_ID, config=EnvConfig(...))`` builds a :class:`LeaseEnv` with its spec set."""
+ENV_ID = "crossflow/PathLease-v1"
+"""``gymnasium.make(ENV_ID, config=EnvConfig(...))`` builds a :class:`PathLeaseEnv` with its spec set."""
 
 if ENV_ID not in gym.registry:
-    gym.register(id=ENV_ID, entry_point="envs.rl_env:LeaseEnv")
+    gym.register(id=ENV_ID, entry_point="envs.rl_env:PathLeaseEnv")
+
+__all__ = [
+    "ENV_ID",
+    "EnvConfig",
+    "GoodputCounter",
+    "PathLeaseEnv",
+    "RewardWeights",
+    "Window",
+    "draw_window",
+    "draw_windows",
+]

@@ -25,7 +25,7 @@ from policies.node_policies import (
 )
 from policies.node_state import NodeState
 from policies.path import PathPolicy, PathReason, make_path_policy, path_policy_names, register_path_policy
-from policies.rl_policy import RLPolicy  # registers the ``rl`` node policy
+from policies.rl_policy import LearnedPath  # registers the ``rl`` and ``greedy-model`` policies
 from policies.scheduler import ClusterScheduler, CostEstimator, PathDecision, PathQuery
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "ClusterScheduler",
     "CostEstimator",
     "HeuristicPolicy",
+    "LearnedPath",
     "Lease",
     "LeaseBudgets",
     "LeaseLedger",
@@ -46,7 +47,6 @@ __all__ = [
     "PathReason",
     "PolicyContext",
     "PolicySpec",
-    "RLPolicy",
     "Reservation",
     "ReservationStatus",
     "SafePrefillPredictor",

@@ -8,7 +8,7 @@ thresholds included), and the artifacts it needs, copied into the folder and pin
     my-bundle/
       bundle.json              the manifest (format below)
       interference_model/      model.txt + metadata.json (policies that need a predictor)
-      rl_policy.npz, .json     trained RL weights (node policy ``rl``)
+      rl_policy.npz, .json     trained RL weights (path policy ``rl``)
 
 ``bundle.json``::
 
@@ -81,7 +81,9 @@ class PolicyBundle:
         """The dotted parameters ``catalog.make_scheduler`` takes (the RL weights' path included)."""
         params = dict(self.params)
         if self.rl_policy is not None:
-            params["node.artifact"] = str(self.rl_policy)
+            from policies.rl_policy import ARTIFACT_PARAM
+
+            params[ARTIFACT_PARAM] = str(self.rl_policy)
         return params
 
     def point_params(self) -> tuple[tuple[str, Any], ...]:

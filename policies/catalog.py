@@ -59,6 +59,10 @@ class PolicySpec:
     grid_level: bool = False
     """Chosen over whole simulations after the fact (``hindsight-split``), not a per-request rule:
     ``compare`` and ``tune`` build it from static runs; ``make_scheduler`` refuses it."""
+    tuned_from: str | None = None
+    """Another policy whose shipped tuned values this one runs with for every part but its path
+    policy (its own tuned values, if any, take precedence): ``rl`` sizes leases as the tuned
+    ``heuristic`` does."""
 
     @property
     def needs_predictor(self) -> bool:
@@ -185,9 +189,15 @@ def _shipped_tuned() -> dict[str, Any]:
 
 
 def tuned_params(name: str) -> dict[str, Any]:
-    """The shipped tuned parameters of policy ``name`` (``{}``: not tuned, factory defaults)."""
+    """The shipped tuned parameters of policy ``name`` (``{}``: not tuned, factory defaults), with the
+    non-path ones of its ``tuned_from`` policy underneath."""
     entry = _shipped_tuned().get("policies", {}).get(name)
-    return dict(entry["params"]) if entry else {}
+    own = dict(entry["params"]) if entry else {}
+    source = _CATALOG[name].tuned_from if name in _CATALOG else None
+    if source is None:
+        return own
+    inherited = {k: v for k, v in tuned_params(source).items() if not k.startswith("path.")}
+    return {**inherited, **own}
 
 
 def describe_params(names: Sequence[str]) -> dict[str, dict[str, Any]]:

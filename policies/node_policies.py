@@ -10,7 +10,7 @@ proposal as pressure.
 
 Policies are pure functions of the state (no hidden state, no randomness), so the simulator and the
 router get identical answers. Plug-ins register a factory ``factory(ctx, **params)`` by name
-(``register_node_policy("rl", f, needs_predictor=True)``); ``ctx`` is the one ``PolicyContext`` every
+(``register_node_policy("mine", f, needs_predictor=True)``); ``ctx`` is the one ``PolicyContext`` every
 policy factory receives (cost estimator, cluster, and the predictor for those that declare a need).
 """
 
@@ -439,7 +439,7 @@ def register_node_policy(
 
 
 def make_node_policy(name: str, ctx: PolicyContext, **params: Any) -> NodePolicy:
-    """Build a registered node policy by name (``static``, ``utilisation``, ``heuristic``, ``rl``, ...)."""
+    """Build a registered node policy by name (``static``, ``utilisation``, ``heuristic``, ...)."""
     return NODE_POLICIES.make(name, ctx, **params)
 
 

@@ -9,6 +9,9 @@ Contract (``PathPolicy``): ``choose(query, now_s, ledger) -> PathDecision`` pick
   no reservation and no token bucket; the node mixes at most ``local_chunk_tokens(node_id)`` prefill
   tokens into each decode iteration. Nothing but the policy's own rule bounds how much goes there.
 
+``plan(now_s, states)`` is asked at the start of each control interval, before leases are published,
+and may return, per decode node, the share of its node policy's prefill headroom to publish (a path
+policy that sizes leases together with its path choice, ``policies.rl_policy``; the default: none).
 ``observe(now_s, states)`` hands the policy each control interval's ``NodeState`` of every decode node;
 a policy whose class says ``reconsiders_waiting = True`` is also asked, every control interval,
 about each request still waiting on a prefill worker (``reconsider``), and may move it to ``local``.
@@ -157,6 +160,12 @@ class PathPolicy(ABC):
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         """Each control interval: the decode nodes' states. Overrides must call this one."""
         self.states = {s.node_id: s for s in states}
+
+    def plan(self, now_s: float, states: Sequence[NodeState]) -> Mapping[int, float] | None:
+        """Before this interval's leases are published: ``{node_id: share}`` of each node policy's
+        prefill headroom to publish (each in [0, 1]; a missing node gets all of it), or ``None`` for
+        all of it everywhere (the default). Called only when ``uses_leases``."""
+        return None
 
     @abstractmethod
     def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> PathDecision:

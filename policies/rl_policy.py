@@ -1,24 +1,50 @@
-"""The learned (``rl``) node policy: a small MLP exported from PPO, evaluated with numpy only.
+"""The learned (``rl``) policy: per-request path choice and lease sizing, steered by a small MLP.
 
-The policy acts per decode node from the same ``NodeState`` every other node policy sees, plus the
-interference model's safe-prefill-throughput prediction at that state. Its two actions, each in
-``[-1, 1]`` (PPO's Gaussian head works best on a symmetric box), map to:
+Design. A path policy decides, for every arriving request, between the normal path, a lease on a
+decode node (``borrow``) and refusing it (``shed``, an SLO miss); its node policies size the leases.
+Here one object does both (:class:`LearnedPath`, a ``LeasePath``): every control interval (0.5 s)
+its MLP reads the cluster (the traffic mix, the prefill pool's load, the decode nodes) and sets four
+**knobs**; every request is then decided at arrival by the lease rule of ``policies.lease_path`` under
+those knobs, with the per-request estimates it already makes (normal-path queue wait + prefill +
+transfer against each lease's rate, which the interference model sets):
 
-* ``compute_scale``: share of the predicted safe prefill throughput to lend, in ``[0, max_scale]``
-  (``max_scale`` is 1 with the shield on: never lend above the interference model's prediction);
-* ``task_share``: how many borrowed tasks the lease admits, ``round(task_share x max_tasks)``. Every
-  borrowed request keeps decoding on the lending node afterwards, so this is the knob on future
-  decode work and KV that the prediction alone does not cover.
+* ``lease_share``: share of the interference model's safe prefill headroom each lease publishes
+  (``PathPolicy.plan``; never above the prediction): the lease sizing;
+* ``wait_share``: the capacity test's per-request wait limit as a share of the TTFT SLO (a request
+  waiting longer on the normal path may borrow);
+* ``borrow_margin``: how much faster a lease must be than the normal path;
+* ``shed_factor``: shed a congested request whose fastest path is estimated past this many TTFT SLOs.
 
-Budgets are then built by :func:`lease_budgets` with the heuristic's KV and task arithmetic, and the
-shield forces a zero lease under decode pressure (decode always wins). The environment
-(``envs.rl_env``) calls the same :func:`observe` and :func:`lease_budgets`, so the trained policy and
-the deployed one take identical decisions for identical states.
+Why not a network call per request: the router decides at arrival rate on its hot path, and per
+request the right choice depends on what the cluster will do over the next seconds, which only the
+interval-level state shows; a per-request action would also make the environment step at request
+arrivals, whose count per interval varies, so steps could not be batched. The factorisation keeps
+every decision per request (and its estimates exact for that request) while the learned part
+chooses, per interval, how those estimates are traded off. The tuned ``heuristic`` is one fixed
+point of this space (``lease_share`` 1, ``wait_share`` 0.4, margin 0.1, no shedding) and
+``heuristic-shed`` another (shedding at 2); ``greedy-model`` (the ablation) is the point with no
+learning at all: take whichever path the estimates say is fastest (wait share 0, margin 0, full
+leases, no shedding). So what ``rl`` gains over ``greedy-model`` is what learning the trade-off gains;
+what ``greedy-model`` gains over the normal path alone is what the model's estimates give.
 
-Artifact: ``<stem>.npz`` (layer weights ``w0, b0, w1, b1, ...``, observation ``obs_mean``,
-``obs_var``) and ``<stem>.json`` (metadata: feature names, action semantics, ``ttl_s``,
-``max_tasks``, ``shield``, ``itl_target_s``, normalisation constants, and provenance: the command,
-seed and steps that produced it). No torch needed to load or run it.
+Leases are sized by the heuristic node policy with the tuned heuristic's values
+(``PolicySpec.tuned_from``), times ``lease_share``; decode always wins (the heuristic's decode
+pressure rules and ITL budget stay in force whatever the knobs say).
+
+Observation (:data:`FEATURES`, each in [0, 1] before the learned normalisation): the **traffic mix**
+(log of uncached input tokens : expected output tokens arriving, over the last 1 and 5 minutes),
+uncached prefill work arriving against what the prefill pool computes (10 s and 60 s), the request
+rate, the normal path's queue wait over the TTFT SLO (the latest request's, and the largest since
+the last decision), KV occupancy (mean and largest), batch share, recent step over the TPOT SLO,
+borrowed tasks and borrowed prefill queued on the decode nodes (in seconds of their leases' rate,
+over the SLO), the interference model's predicted safe prefill rate, the share of nodes under decode
+pressure, and the policy's own shares of borrowed and shed requests over the last 10 s. The traffic
+mix and the pool's load are measured by the path policy itself from the requests it is asked about
+(``PathQuery``), so neither ``NodeState`` nor the router had to carry anything new.
+
+Artifact: ``<stem>.npz`` (layers ``w0, b0, ...``, ``obs_mean``, ``obs_var``) and ``<stem>.json``
+(feature and action names, knob ranges, normalisation constants, provenance: command, seed, steps).
+Evaluated with numpy only: no torch at serving time.
 """
 
 from __future__ import annotations
@@ -26,178 +52,175 @@ from __future__ import annotations
 import json
 import math
 import zipfile
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from policies.catalog import CROSSFLOW_SOURCE, PolicySpec, register_policy
-from policies.context import PolicyContext
-from policies.lease import LeaseBudgets
-from policies.node_policies import (
-    SafePrefillPredictor,
-    decode_pressure_reason,
-    headroom_budgets,
-    node_policy_names,
-    predict_safe,
-    register_node_policy,
+from policies.context import ClusterView, CostEstimator, PolicyContext
+from policies.lease_path import (
+    DEFAULT_BORROW_MARGIN,
+    DEFAULT_PREFIX_REUSE_SHARE,
+    DEFAULT_SHED_TTFT_FACTOR,
+    DEFAULT_TTFT_SHARE,
+    LeasePath,
+    prefill_pool_tokens_per_s,
 )
+from policies.ledger import LeaseLedger
+from policies.node_policies import HeuristicPolicy, SafePrefillPredictor, decode_pressure_reason, predict_safe
 from policies.node_state import NodeState
-from policies.slo import DEFAULT_TPOT_SLO_S
+from policies.path import PathDecision, PathQuery, register_path_policy
 
-ARTIFACT_FORMAT = "crossflow-rl-policy/1"
+ARTIFACT_FORMAT = "crossflow-rl-policy/2"
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "data" / "rl_policy.npz"
 """The shipped trained policy (metadata next to it as ``rl_policy.json``)."""
+ARTIFACT_PARAM = "path.artifact"
+"""The dotted policy parameter that names the weights a policy runs (``crossflow simulate --rl-policy``)."""
 
 FEATURES: tuple[str, ...] = (
-    "batch_share",
-    "log_context_mean",
-    "log_context_std",
-    "log_remaining_output",
-    "kv_occupancy",
-    "kv_reserved_share",
-    "kv_free_share",
-    "queued_decode",
-    "borrowed_tasks",
-    "log_borrowed_prefill_queued",
-    "recent_step_over_itl",
-    "decode_only_step_over_itl",
-    "log_safe_prefill",
-    "decode_pressure",
+    "log_mix_60s",
+    "log_mix_300s",
+    "arrival_over_pool_10s",
+    "arrival_over_pool_60s",
+    "log_request_rate_60s",
+    "queue_wait_over_slo",
+    "queue_wait_max_over_slo",
+    "kv_occupancy_mean",
+    "kv_occupancy_max",
+    "batch_share_mean",
+    "step_over_tpot_mean",
+    "borrowed_tasks_mean",
+    "borrowed_queue_over_slo",
+    "log_safe_prefill_mean",
+    "decode_pressure_share",
+    "borrow_share_10s",
+    "shed_share_10s",
 )
-"""Observation features, each in [0, 1] before the learned normalisation (see :func:`observe`)."""
+"""Observation features (see the module docstring and :meth:`LearnedPath.features`)."""
 
-N_ACTIONS = 2
-
-_LOG_CONTEXT = math.log1p(262_144.0)
-_LOG_OUTPUT = math.log1p(16_384.0)
-_LOG_QUEUED = math.log1p(1_048_576.0)
-_LOG_SAFE = math.log1p(131_072.0)
+ACTIONS: tuple[str, ...] = ("lease_share", "wait_share", "borrow_margin", "shed_factor")
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseShape:
-    """The fixed (not learned) parameters that turn actions into budgets; stored in the artifact."""
+class KnobRanges:
+    """What each action in [-1, 1] maps to (linearly): ``lo + (hi - lo) x (a + 1) / 2``."""
 
-    itl_target_s: float = DEFAULT_TPOT_SLO_S
-    """Per-token latency target; decode pressure when the recent step exceeds it."""
-    ttl_s: float = 8.0
-    """Lease TTL. The scheduler reads ``policy.ttl_s`` as a constant and republishes every control
-    interval, so the TTL is a policy parameter, not an action (a per-proposal TTL would need hidden
-    state). A longer TTL makes the prefill budget (rate x TTL) large enough for long agent prompts."""
-    max_tasks: int = 8
-    shield: bool = True
-    """On: lend at most the predicted safe throughput and force zero under decode pressure."""
-    unshielded_max_scale: float = 2.0
-    """Largest ``compute_scale`` when the shield is off."""
-    kv_high_watermark: float = 0.9
-    batch_high_fraction: float = 0.9
-    decode_tokens_per_task: int = 8192
-    transfer_tokens_per_s: float = 262_144.0
+    lease_share: tuple[float, float] = (0.25, 1.0)
+    wait_share: tuple[float, float] = (0.0, 1.0)
+    borrow_margin: tuple[float, float] = (0.0, 0.5)
+    shed_factor: tuple[float, float] = (1.0, 5.0)
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {name: list(getattr(self, name)) for name in ACTIONS}
+
+
+KNOB_RANGES = KnobRanges()
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """One interval's setting of the per-request rule (module docstring); ``shed_factor`` None: no
+    shedding."""
+
+    lease_share: float
+    wait_share: float
+    borrow_margin: float
+    shed_factor: float | None
 
     def __post_init__(self) -> None:
-        if not (self.itl_target_s > 0 and self.ttl_s > 0 and self.unshielded_max_scale > 0):
-            raise ValueError("LeaseShape: itl_target_s, ttl_s and unshielded_max_scale must be > 0")
-        if self.max_tasks < 1:
-            raise ValueError(f"LeaseShape.max_tasks must be >= 1, got {self.max_tasks}")
-        for name in ("kv_high_watermark", "batch_high_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"LeaseShape.{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not 0.0 <= self.lease_share <= 1.0 or self.wait_share < 0 or not 0 <= self.borrow_margin < 1:
+            raise ValueError(f"Knobs out of range: {self}")
+        if self.shed_factor is not None and self.shed_factor < 1.0:
+            raise ValueError(f"Knobs.shed_factor must be >= 1 or None, got {self.shed_factor!r}")
 
-    @property
-    def max_scale(self) -> float:
-        return 1.0 if self.shield else self.unshielded_max_scale
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "lease shape") -> LeaseShape:
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{source}: unknown lease_shape field(s) {sorted(unknown)}")
-        return cls(**values)
+    def to_action(self) -> np.ndarray:
+        """The action in [-1, 1]^4 that maps to these knobs (no shedding maps to the top of its range)."""
+        values = (
+            self.lease_share,
+            self.wait_share,
+            self.borrow_margin,
+            KNOB_RANGES.shed_factor[1] if self.shed_factor is None else self.shed_factor,
+        )
+        out = []
+        for name, v in zip(ACTIONS, values, strict=True):
+            lo, hi = getattr(KNOB_RANGES, name)
+            out.append(float(np.clip(2.0 * (v - lo) / (hi - lo) - 1.0, -1.0, 1.0)))
+        return np.array(out, dtype=np.float32)
 
 
-def decode_pressure(state: NodeState, shape: LeaseShape) -> str | None:
-    """Why decode needs the whole node now (the heuristic's rules), or ``None``."""
-    return decode_pressure_reason(
-        state,
-        itl_target_s=shape.itl_target_s,
-        kv_high_watermark=shape.kv_high_watermark,
-        batch_high_fraction=shape.batch_high_fraction,
-    )
+HEURISTIC_KNOBS = Knobs(
+    lease_share=1.0, wait_share=DEFAULT_TTFT_SHARE, borrow_margin=DEFAULT_BORROW_MARGIN, shed_factor=None
+)
+"""The ``heuristic``'s rule (``policies.lease_path`` defaults); the knobs of the environment's warm-up."""
+SHED_KNOBS = Knobs(
+    lease_share=1.0,
+    wait_share=DEFAULT_TTFT_SHARE,
+    borrow_margin=DEFAULT_BORROW_MARGIN,
+    shed_factor=DEFAULT_SHED_TTFT_FACTOR,
+)
+"""``heuristic-shed``'s rule: the heuristic's, shedding past twice the TTFT SLO."""
+GREEDY_KNOBS = Knobs(lease_share=1.0, wait_share=0.0, borrow_margin=0.0, shed_factor=None)
+"""``greedy-model``: whichever path the estimates say is fastest, leases at the full prediction."""
+
+
+def action_to_knobs(action: np.ndarray) -> Knobs:
+    """Map an action in ``[-1, 1]^4`` (clipped) to :class:`Knobs`."""
+    a = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
+    if a.shape != (len(ACTIONS),) or not np.isfinite(a).all():
+        raise ValueError(f"action must be {len(ACTIONS)} finite numbers, got {action!r}")
+    v = {}
+    for i, name in enumerate(ACTIONS):
+        lo, hi = getattr(KNOB_RANGES, name)
+        v[name] = float(lo + (hi - lo) * (a[i] + 1.0) / 2.0)
+    return Knobs(v["lease_share"], v["wait_share"], min(v["borrow_margin"], 0.99), v["shed_factor"])
+
+
+class DecayedSum:
+    """A sum of values decayed exponentially with time constant ``tau_s`` (a windowed rate)."""
+
+    __slots__ = ("t_s", "tau_s", "total")
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self.total = 0.0
+        self.t_s = -math.inf
+
+    def value(self, now_s: float) -> float:
+        if now_s <= self.t_s or self.t_s == -math.inf:
+            return self.total
+        return self.total * math.exp(-(now_s - self.t_s) / self.tau_s)
+
+    def add(self, now_s: float, x: float) -> None:
+        self.total = self.value(now_s) + x
+        self.t_s = max(self.t_s, now_s)
+
+    def rate(self, now_s: float) -> float:
+        """Per second over the window."""
+        return self.value(now_s) / self.tau_s
 
 
 def _unit(x: float) -> float:
-    return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
+    return 0.0 if not x > 0.0 else (1.0 if x > 1.0 else x)
 
 
-def observe(state: NodeState, safe_tokens_per_s: float, shape: LeaseShape) -> np.ndarray:
-    """The ``FEATURES`` vector of one node (float32, each in [0, 1]); logs squash heavy tails."""
-    cap = state.kv_capacity_tokens or 1
-    itl = shape.itl_target_s
-    return np.array(
-        (
-            _unit(
-                state.decode_batch_size / state.max_running_requests if state.max_running_requests else 1.0
-            ),
-            _unit(math.log1p(max(state.context_tokens_mean, 0.0)) / _LOG_CONTEXT),
-            _unit(math.log1p(max(state.context_tokens_std, 0.0)) / _LOG_CONTEXT),
-            _unit(math.log1p(max(state.remaining_output_tokens_mean, 0.0)) / _LOG_OUTPUT),
-            _unit(state.kv_occupancy),
-            _unit(state.kv_reserved_tokens / cap),
-            _unit(state.kv_free_tokens / cap),
-            _unit(state.queued_decode_requests / 8.0),
-            _unit(state.borrowed_tasks / 8.0),
-            _unit(math.log1p(max(state.borrowed_prefill_tokens_queued, 0)) / _LOG_QUEUED),
-            _unit(state.recent_step_time_s / itl / 2.0),
-            _unit(state.decode_only_step_time_s / itl / 2.0),
-            _unit(math.log1p(safe_tokens_per_s) / _LOG_SAFE),
-            1.0 if decode_pressure(state, shape) is not None else 0.0,
-        ),
-        dtype=np.float32,
-    )
-
-
-def action_to_controls(action: np.ndarray, shape: LeaseShape) -> tuple[float, int]:
-    """Map an action in ``[-1, 1]^2`` (clipped) to ``(compute_scale, tasks_cap)``."""
-    a = np.clip(np.asarray(action, dtype=np.float64).reshape(-1), -1.0, 1.0)
-    if a.shape != (N_ACTIONS,) or not np.isfinite(a).all():
-        raise ValueError(f"action must be {N_ACTIONS} finite numbers, got {action!r}")
-    compute_scale = (a[0] + 1.0) / 2.0 * shape.max_scale
-    tasks_cap = round((a[1] + 1.0) / 2.0 * shape.max_tasks)
-    return float(compute_scale), int(tasks_cap)
-
-
-def lease_budgets(
-    state: NodeState, safe_tokens_per_s: float, compute_scale: float, tasks_cap: int, shape: LeaseShape
-) -> LeaseBudgets:
-    """New headroom for ``state`` (the ``NodePolicy.propose`` contract) from the two controls.
-
-    Same arithmetic as ``HeuristicPolicy`` with ``margin = compute_scale`` and ``max_tasks = tasks_cap``;
-    with the shield on, ``compute_scale`` is capped at 1 and any decode pressure gives zero.
-    """
-    if shape.shield:
-        compute_scale = min(compute_scale, 1.0)
-        if decode_pressure(state, shape) is not None:
-            return LeaseBudgets.zero()
-    return headroom_budgets(
-        state,
-        safe_tokens_per_s,
-        share=compute_scale,
-        max_tasks=tasks_cap,
-        ttl_s=shape.ttl_s,
-        kv_high_watermark=shape.kv_high_watermark,
-        transfer_tokens_per_s=shape.transfer_tokens_per_s,
-        decode_tokens_per_task=shape.decode_tokens_per_task,
-    )
+_LOG_MIX_LO, _LOG_MIX_SPAN = -3.0, 10.0
+"""log(uncached input : output) is mapped from [-3, 7] to [0, 1] (Mooncake is about 3, chat about 0)."""
+_LOG_RATE = math.log1p(256.0)
+_PRESSURE: dict[str, float] = {
+    f.name: float(f.default)  # type: ignore[arg-type]
+    for f in fields(HeuristicPolicy)
+    if f.name in ("kv_high_watermark", "batch_high_fraction")
+}
+"""The heuristic's decode-pressure thresholds (its defaults), for the ``decode_pressure_share`` feature."""
+_LOG_SAFE = math.log1p(131_072.0)
 
 
 @dataclass(frozen=True)
 class MlpWeights:
-    """A tanh MLP (SB3's default PPO actor) plus the observation normalisation it was trained with."""
+    """A tanh MLP plus the observation normalisation it was trained with (the deterministic actor)."""
 
     layers: tuple[tuple[np.ndarray, np.ndarray], ...]
     """``(W, b)`` per layer, ``W`` shaped ``(out, in)`` like ``torch.nn.Linear``; tanh between layers."""
@@ -214,9 +237,14 @@ class MlpWeights:
                     f"layer {i}: weight {w.shape} / bias {b.shape} do not chain from {n_in} inputs"
                 )
             n_in = w.shape[0]
-        if n_in != N_ACTIONS or self.obs_var.shape != self.obs_mean.shape:
+        if (
+            n_in != len(ACTIONS)
+            or self.obs_var.shape != self.obs_mean.shape
+            or len(self.obs_mean) != len(FEATURES)
+        ):
             raise ValueError(
-                f"MLP must map {len(self.obs_mean)} features to {N_ACTIONS} actions, ends at {n_in}"
+                f"MLP must map {len(FEATURES)} features to {len(ACTIONS)} actions; it maps "
+                f"{len(self.obs_mean)} to {n_in}"
             )
 
     def normalise(self, obs: np.ndarray) -> np.ndarray:
@@ -245,6 +273,8 @@ def save_artifact(path: str | Path, weights: MlpWeights, metadata: dict[str, Any
         **metadata,
         "format": ARTIFACT_FORMAT,
         "features": list(FEATURES),
+        "actions": list(ACTIONS),
+        "knob_ranges": KNOB_RANGES.to_dict(),
         "n_layers": len(weights.layers),
         "clip_obs": weights.clip_obs,
         "epsilon": weights.epsilon,
@@ -270,14 +300,18 @@ def load_artifact(path: str | Path) -> tuple[MlpWeights, dict[str, Any]]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{meta_path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
-    if meta.get("format") != ARTIFACT_FORMAT:
-        raise ValueError(
-            f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {ARTIFACT_FORMAT!r}"
-        )
-    if meta.get("features") != list(FEATURES):
-        raise ValueError(
-            f"{meta_path}: field 'features' {meta.get('features')} differs from this code's {FEATURES}"
-        )
+    if not isinstance(meta, dict) or meta.get("format") != ARTIFACT_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise ValueError(f"{meta_path}: field 'format' is {found!r}, expected {ARTIFACT_FORMAT!r}")
+    for key, expected in (
+        ("features", list(FEATURES)),
+        ("actions", list(ACTIONS)),
+        ("knob_ranges", KNOB_RANGES.to_dict()),
+    ):
+        if meta.get(key) != expected:
+            raise ValueError(
+                f"{meta_path}: field {key!r} {meta.get(key)} differs from this code's {expected}"
+            )
     try:
         data = np.load(npz, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
@@ -297,86 +331,237 @@ def load_artifact(path: str | Path) -> tuple[MlpWeights, dict[str, Any]]:
     return weights, meta
 
 
-@dataclass(frozen=True)
-class RLPolicy:
-    """Node policy ``rl``: ``propose(state)`` runs the exported MLP on ``observe(state)``.
+class LearnedPath(LeasePath):
+    """Path policy ``rl`` (and, with fixed knobs, ``greedy-model``): see the module docstring.
 
-    Pure function of the state (deterministic action, no hidden state), like every node policy.
-    Build it with :meth:`load` (or ``make_node_policy("rl", ctx, artifact=path)``).
+    Args:
+        cost, cluster: timing and the SLOs (``ctx.cost``, ``ctx.cluster``).
+        predictor: the interference model (for the ``log_safe_prefill_mean`` feature).
+        pool_tokens_per_s: the prefill pool's rate (``prefill_pool_tokens_per_s``).
+        weights: the trained actor; ``None``: the knobs stay as set (``knobs``, or ``set_action`` from
+            the training environment).
+        knobs: the knobs before the first interval, and for good when ``weights`` is ``None``.
+        decision_intervals: the actor runs every this many control intervals (what it was trained
+            with, ``decision_intervals`` in the artifact's metadata); the knobs hold in between.
+        prefix_reuse_share: decode-side prefix reuse (``LeasePath``).
+
+    Every call is deterministic in its inputs and the requests seen so far.
     """
 
-    predictor: SafePrefillPredictor
-    weights: MlpWeights
-    shape: LeaseShape = field(default_factory=LeaseShape)
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def load(
-        cls,
-        predictor: SafePrefillPredictor,
-        artifact: str | Path | None = None,
+    def __init__(
+        self,
+        cost: CostEstimator,
+        cluster: ClusterView,
         *,
-        shield: bool | None = None,
-        itl_target_s: float | None = None,
-    ) -> RLPolicy:
-        """The policy in ``artifact`` (default: the shipped one); ``shield``/``itl_target_s`` override it."""
-        weights, meta = load_artifact(artifact or DEFAULT_ARTIFACT)
-        shape_dict = dict(meta.get("lease_shape", {}))
-        if shield is not None:
-            shape_dict["shield"] = shield
-        if itl_target_s is not None:
-            shape_dict["itl_target_s"] = itl_target_s
-        shape = LeaseShape.from_dict(
-            shape_dict, source=str(Path(artifact or DEFAULT_ARTIFACT).with_suffix(".json"))
+        pool_tokens_per_s: float,
+        predictor: SafePrefillPredictor | None = None,
+        weights: MlpWeights | None = None,
+        knobs: Knobs = HEURISTIC_KNOBS,
+        decision_intervals: int = 1,
+        prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
+    ) -> None:
+        super().__init__(
+            cost,
+            congestion="capacity",
+            slo_ttft_s=cluster.slo_ttft_s,
+            pool_tokens_per_s=pool_tokens_per_s,
+            prefix_reuse_share=prefix_reuse_share,
         )
-        return cls(predictor, weights, shape, meta)
+        if weights is not None and predictor is None:
+            raise ValueError("LearnedPath: a trained policy needs the interference-model predictor")
+        if decision_intervals < 1:
+            raise ValueError(f"LearnedPath.decision_intervals must be >= 1, got {decision_intervals!r}")
+        self.decision_intervals = decision_intervals
+        self._intervals = 0
+        self.slo_ttft_s = cluster.slo_ttft_s
+        self.slo_tpot_s = cluster.slo_tpot_s
+        self.predictor = predictor
+        self.weights = weights
+        self._mix = {tau: (DecayedSum(tau), DecayedSum(tau)) for tau in (60.0, 300.0)}
+        self._work = {tau: DecayedSum(tau) for tau in (10.0, 60.0)}
+        self._requests = DecayedSum(60.0)
+        self._decided = DecayedSum(10.0)
+        self._borrowed = DecayedSum(10.0)
+        self._shed = DecayedSum(10.0)
+        self._last_wait_s = 0.0
+        self._max_wait_s = 0.0
+        self.knobs = knobs
+        self.set_knobs(knobs)
 
-    @property
-    def ttl_s(self) -> float:
-        return self.shape.ttl_s
+    # ---- knobs ------------------------------------------------------------------------------------
+    def set_knobs(self, knobs: Knobs) -> None:
+        """Apply ``knobs`` to the per-request rule from now on (and reset the interval's largest wait)."""
+        self.knobs = knobs
+        self._max_wait_s = self._last_wait_s
+        self.wait_limit_s = knobs.wait_share * self.slo_ttft_s
+        self.borrow_margin = knobs.borrow_margin
+        self.shed_limit_s = math.inf if knobs.shed_factor is None else knobs.shed_factor * self.slo_ttft_s
 
-    def act(self, state: NodeState) -> tuple[np.ndarray, float]:
-        """``(action, safe_tokens_per_s)`` for ``state`` (exposed for decision records and tests)."""
-        safe = predict_safe(self.predictor, state)
-        return self.weights.forward(observe(state, safe, self.shape)), safe
+    def set_action(self, action: np.ndarray) -> None:
+        """Apply an action in ``[-1, 1]^4`` (:func:`action_to_knobs`)."""
+        self.set_knobs(action_to_knobs(action))
 
-    def decode_pressure(self, state: NodeState) -> str | None:
-        return decode_pressure(state, self.shape) if self.shape.shield else None
+    # ---- the interval --------------------------------------------------------------------------------
+    def features(self, now_s: float, states: Sequence[NodeState]) -> np.ndarray:
+        """The :data:`FEATURES` vector now (float32, each in [0, 1])."""
+        mix = []
+        for inp, out in self._mix.values():
+            i, o = inp.value(now_s), out.value(now_s)
+            ratio = math.log((i + 1.0) / (o + 1.0)) if i + o > 0 else 0.0
+            mix.append(_unit((ratio - _LOG_MIX_LO) / _LOG_MIX_SPAN))
+        pool = self.pool_tokens_per_s
+        n = max(len(states), 1)
+        kv = [s.kv_occupancy for s in states] or [0.0]
+        batch = [
+            s.decode_batch_size / s.max_running_requests if s.max_running_requests else 1.0 for s in states
+        ]
+        safe = [predict_safe(self.predictor, s) for s in states] if self.predictor is not None else [0.0]
+        queued_s = sum(s.borrowed_prefill_tokens_queued for s in states) / max(sum(safe), 1.0)
+        pressure = sum(
+            decode_pressure_reason(
+                s,
+                itl_target_s=self.slo_tpot_s,
+                kv_high_watermark=_PRESSURE["kv_high_watermark"],
+                batch_high_fraction=_PRESSURE["batch_high_fraction"],
+            )
+            is not None
+            for s in states
+        )
+        decided = max(self._decided.value(now_s), 1e-9)
+        feats = (
+            *mix,
+            _unit(self._work[10.0].rate(now_s) / pool / 4.0),
+            _unit(self._work[60.0].rate(now_s) / pool / 4.0),
+            _unit(math.log1p(self._requests.rate(now_s)) / _LOG_RATE),
+            _unit(self._last_wait_s / self.slo_ttft_s / 4.0),
+            _unit(self._max_wait_s / self.slo_ttft_s / 4.0),
+            _unit(sum(kv) / len(kv)),
+            _unit(max(kv)),
+            _unit(sum(batch) / n),
+            _unit(sum(s.recent_step_time_s for s in states) / n / self.slo_tpot_s / 2.0),
+            _unit(sum(s.borrowed_tasks for s in states) / n / 8.0),
+            _unit(queued_s / self.slo_ttft_s / 4.0),
+            _unit(math.log1p(sum(safe) / len(safe)) / _LOG_SAFE),
+            pressure / n,
+            _unit(self._borrowed.value(now_s) / decided) if self._decided.value(now_s) > 0 else 0.0,
+            _unit(self._shed.value(now_s) / decided) if self._decided.value(now_s) > 0 else 0.0,
+        )
+        return np.array(feats, dtype=np.float32)
 
-    def propose(self, state: NodeState) -> LeaseBudgets:
-        if self.shape.shield and decode_pressure(state, self.shape) is not None:
-            return LeaseBudgets.zero()  # skip the forward pass: the shield decides
-        action, safe = self.act(state)
-        compute_scale, tasks_cap = action_to_controls(action, self.shape)
-        return lease_budgets(state, safe, compute_scale, tasks_cap, self.shape)
+    def plan(self, now_s: float, states: Sequence[NodeState]) -> Mapping[int, float] | None:
+        """Run the actor on this interval's features (when trained) and size the leases."""
+        if self.weights is not None and self._intervals % self.decision_intervals == 0:
+            self.set_action(self.weights.forward(self.features(now_s, states)))
+        self._intervals += 1
+        share = self.knobs.lease_share
+        return None if share >= 1.0 else {s.node_id: share for s in states}
+
+    # ---- per request ---------------------------------------------------------------------------------
+    def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> PathDecision:
+        for inp, out in self._mix.values():
+            inp.add(now_s, q.normal_uncached_tokens)
+            out.add(now_s, q.expected_output_tokens)
+        for work in self._work.values():
+            work.add(now_s, q.normal_uncached_tokens)
+        self._requests.add(now_s, 1.0)
+        self._last_wait_s = q.normal_queue_wait_s
+        self._max_wait_s = max(self._max_wait_s, q.normal_queue_wait_s)
+        decision = super().choose(q, now_s, ledger)
+        self._decided.add(now_s, 1.0)
+        if decision.path == "borrow":
+            self._borrowed.add(now_s, 1.0)
+        elif decision.path == "shed":
+            self._shed.add(now_s, 1.0)
+        return decision
 
 
-def make_rl_policy(
+def _make_learned(
     ctx: PolicyContext,
     artifact: str | Path | None = None,
-    shield: bool | None = None,
-    itl_target_s: float | None = None,
-) -> RLPolicy:
-    """Registry factory: ``make_node_policy("rl", ctx, artifact=path)`` (``ctx`` carries the predictor;
-    the ITL target is the artifact's unless given)."""
-    return RLPolicy.load(ctx.require_predictor("rl"), artifact, shield=shield, itl_target_s=itl_target_s)
+    learner: bool = False,
+    prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
+) -> LearnedPath:
+    """Registry factory of path policy ``rl``: the weights at ``artifact`` (default: the shipped ones);
+    ``learner=True``: no weights, the knobs are set from outside each interval (the training env)."""
+    weights, meta = (None, {}) if learner else load_artifact(artifact or DEFAULT_ARTIFACT)
+    return LearnedPath(
+        ctx.cost,
+        ctx.cluster,
+        pool_tokens_per_s=prefill_pool_tokens_per_s(ctx),
+        predictor=ctx.require_predictor("path policy 'rl'"),
+        weights=weights,
+        decision_intervals=int(meta.get("decision_intervals", 1)),
+        prefix_reuse_share=prefix_reuse_share,
+    )
 
 
-if "rl" not in node_policy_names():
-    register_node_policy(
-        "rl", make_rl_policy, needs_predictor=True, summary="the PPO-trained lease policy (shipped artifact)"
+def _make_greedy(
+    ctx: PolicyContext, prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE
+) -> LearnedPath:
+    return LearnedPath(
+        ctx.cost,
+        ctx.cluster,
+        pool_tokens_per_s=prefill_pool_tokens_per_s(ctx),
+        knobs=GREEDY_KNOBS,
+        prefix_reuse_share=prefix_reuse_share,
     )
-    register_policy(
-        PolicySpec(
-            "rl",
-            "Crossflow, learned: leases sized by the PPO policy, borrowed on congestion when faster",
-            node="rl",
-            path="lease",
-            grid={
-                "path.congestion_wait_s": (0.2, 1.0),
-                "path.borrow_margin": (0.1, 0.3),
-                "scheduler.itl_guard": (1.25, None),
-            },
-            source=CROSSFLOW_SOURCE + "; policies/rl_policy.py, docs/rl.md",
-        )
+
+
+def runs_rl_weights(spec: PolicySpec) -> bool:
+    """Whether catalog policy ``spec`` runs RL weights (so ``ARTIFACT_PARAM`` names them)."""
+    return spec.path == "rl"
+
+
+register_path_policy(
+    "rl",
+    _make_learned,
+    needs_predictor=True,
+    summary="the PPO-trained per-interval knobs of the lease rule (shipped artifact)",
+)
+register_path_policy(
+    "greedy-model",
+    _make_greedy,
+    summary="the fastest path by the estimates (lease rates from the interference model), no learning",
+)
+_RL_SOURCE = CROSSFLOW_SOURCE + "; policies/rl_policy.py, docs/rl.md"
+register_policy(
+    PolicySpec(
+        "rl",
+        "Crossflow, learned: PPO sets the lease rule's wait limit, margin, shedding and lease size per "
+        "interval from the traffic mix and the cluster",
+        node="heuristic",
+        path="rl",
+        source=_RL_SOURCE,
+        tuned_from="heuristic",
     )
+)
+register_policy(
+    PolicySpec(
+        "greedy-model",
+        "ablation of rl: each request on the path the estimates say is fastest (interference-model leases), "
+        "no learning, no shedding",
+        node="heuristic",
+        path="greedy-model",
+        source=_RL_SOURCE,
+        tuned_from="heuristic",
+    )
+)
+
+__all__ = [
+    "ACTIONS",
+    "ARTIFACT_PARAM",
+    "DEFAULT_ARTIFACT",
+    "FEATURES",
+    "GREEDY_KNOBS",
+    "HEURISTIC_KNOBS",
+    "KNOB_RANGES",
+    "SHED_KNOBS",
+    "DecayedSum",
+    "Knobs",
+    "LearnedPath",
+    "MlpWeights",
+    "action_to_knobs",
+    "load_artifact",
+    "runs_rl_weights",
+    "save_artifact",
+]

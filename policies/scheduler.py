@@ -154,8 +154,10 @@ class ClusterScheduler:
         ``state`` already reflects still holds (committed reservations, and un-started ones that have
         arrived at the node), so that work is neither counted twice nor revoked for lack of room.
         Reservations still in flight to the node are carried over only if they fit the headroom.
-        A path policy that never borrows (``uses_leases`` False) gets no leases published at all:
-        nothing could spend them. Either way the path policy then observes ``states``.
+        The path policy's ``plan`` may scale each node's new prefill headroom down first (a path
+        policy that sizes leases with its path choice). A path policy that never borrows
+        (``uses_leases`` False) gets no leases published at all: nothing could spend them. Either way
+        the path policy then observes ``states``.
         """
         with self._lock:
             if not self.path.uses_leases:
@@ -163,10 +165,12 @@ class ClusterScheduler:
                 return []
             revoked = self.ledger.expire(now_s)
             self._update_itl_guard(states)
+            shares = self.path.plan(now_s, states) or {}
             for state in sorted(states, key=lambda s: s.node_id):
                 policy = self.policy_for(state.node_id)
                 headroom = self._propose(policy, state)
                 scale = self.lend_scale * self.node_scale.get(state.node_id, 1.0)
+                scale *= shares.get(state.node_id, 1.0)
                 if scale < 1.0 and not headroom.is_zero():
                     headroom = replace(headroom, prefill_tokens=int(headroom.prefill_tokens * scale))
                 pressure = self._decode_pressure(policy, state, headroom)

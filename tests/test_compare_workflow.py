@@ -70,7 +70,7 @@ def test_simulate_command_reruns_the_same_point() -> None:
         slo_ttft_s=2.5,
         decode_prefix_cache=True,
         cluster_overrides=(("prefill_routing", "round_robin"),),
-        policy_params=(("node.artifact", "policies/data/rl_policy.npz"), ("node.shield", False)),
+        policy_params=(("path.artifact", "policies/data/rl_policy.npz"), ("path.prefix_reuse_share", 0.25)),
     )
     argv = shlex.split(simulate_command(point, artifact_dir="x", max_sim_time_s=99.5))[1:]
     args = _parse(*argv)

@@ -48,7 +48,9 @@ def test_policy_takes_a_catalog_name_a_bundle_folder_or_a_cached_wandb_reference
     assert catalog.params is None and catalog.info.source == "catalog" and catalog.info.name == "heuristic"
     served = served_policy(str(bundle.folder))
     assert (served.policy, served.params, served.interference_model) == (
-        "heuristic", dict(PARAMS), bundle.interference_model
+        "heuristic",
+        dict(PARAMS),
+        bundle.interference_model,
     )
     info = served.info
     assert (info.name, info.version, info.sha256) == ("heuristic-h200", "3", bundle.digest)
@@ -165,9 +167,9 @@ def test_a_policy_reload_while_requests_stream_drops_none(tmp_path: Path) -> Non
                 return done_before, done_after, (reload.json(), reload_s)
 
         done_before, done_after, (answer, reload_s) = asyncio.run(asyncio.wait_for(run(), timeout=120))
-        for events, n_out in [(done_before[0], 200)] + [(e, 40) for e in done_before[1:]] + [
-            (e, 20) for e in done_after
-        ]:
+        for events, n_out in (
+            [(done_before[0], 200)] + [(e, 40) for e in done_before[1:]] + [(e, 20) for e in done_after]
+        ):
             assert events[-1] == "[DONE]" and events[-2]["meta_info"]["completion_tokens"] == n_out
         assert answer["previous"]["name"] == "static" and answer["policy"]["sha256"] == bundle.digest
         assert reload_s < 10.0

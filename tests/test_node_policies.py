@@ -167,7 +167,7 @@ def context(predictor: object | None = None) -> PolicyContext:
 
 
 def test_registry_builds_by_name_from_one_context_and_accepts_plugins() -> None:
-    assert {"static", "utilisation", "heuristic", "rl"} <= set(node_policy_names())
+    assert {"static", "utilisation", "heuristic"} <= set(node_policy_names())
     heuristic = make_node_policy("heuristic", context(FakePredictor()), ttl_s=0.25)
     assert isinstance(heuristic, HeuristicPolicy) and heuristic.ttl_s == 0.25
     assert heuristic.itl_target_s == 0.04  # the cluster's TPOT SLO, from the context

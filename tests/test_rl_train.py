@@ -1,119 +1,138 @@
-"""PPO export round trip, the ``rl`` registry entry, the shipped policy, and ``train-rl`` end to end."""
+"""``train.ppo`` (learns CartPole; numpy export equals the torch actor; checkpoints), ``train-rl`` end to
+end (a tiny run, resume, the artifact's provenance), the shipped policy, and ``rl`` through
+``crossflow simulate`` and ``crossflow compare``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
-import pytest
 import torch
 
-from envs.cluster_config import ClusterConfig
-from envs.estimator import ClusterEstimator
-from policies.context import PolicyContext
-from policies.lease import LeaseBudgets
-from policies.node_policies import make_node_policy
-from policies.rl_policy import DEFAULT_ARTIFACT, FEATURES, RLPolicy, load_artifact, save_artifact
-from tests.fakes import LinearCostModel
-from tests.test_rl_env import FakePredictor, node_state, tiny_env
-from train.rl_train import export_weights
+from policies.rl_policy import ACTIONS, DEFAULT_ARTIFACT, FEATURES, MlpWeights, load_artifact, save_artifact
+from tests.test_rl_env import TINY
+from train.ppo import PPO, make_vector_env
+from train.ppo_config import PPOConfig
+from train.rl_train import TrainConfig, train
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ppo_and_norm() -> tuple[object, object]:
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
-
-    venv = VecNormalize(DummyVecEnv([tiny_env]), clip_obs=10.0)
-    model = PPO("MlpPolicy", venv, n_steps=64, batch_size=32, n_epochs=1, seed=0, device="cpu")
-    model.learn(128)  # a few updates so weights and running statistics are not at their initial values
-    return model, venv
+def _cartpole(n: int = 4) -> object:
+    return make_vector_env([lambda: gym.make("CartPole-v1") for _ in range(n)])
 
 
-def test_numpy_forward_equals_torch_forward_after_save_and_load(ppo_and_norm: tuple, tmp_path: Path) -> None:
-    model, venv = ppo_and_norm
-    path = save_artifact(tmp_path / "p.npz", export_weights(model, venv), {"lease_shape": {}, "seed": 0})
-    weights, meta = load_artifact(path)
-    assert meta["features"] == list(FEATURES) and meta["seed"] == 0
-    obs = np.random.default_rng(0).uniform(0, 1, (32, len(FEATURES))).astype(np.float32)
-    with torch.no_grad():
-        dist = model.policy.get_distribution(torch.as_tensor(venv.normalize_obs(obs)))
-        torch_action = dist.distribution.mean.numpy()
-    np.testing.assert_allclose(weights.forward(obs), torch_action, rtol=1e-5, atol=1e-5)
+def test_ppo_learns_cartpole_and_is_deterministic() -> None:
+    cfg = PPOConfig(n_steps=128, n_epochs=4, batch_size=128, seed=1)
+    ppo = PPO(_cartpole(), cfg)
+    ppo.learn(12_000)
+    assert ppo.num_timesteps == 12_288
+    early, late = np.mean(ppo.episode_returns[:20]), np.mean(ppo.episode_returns[-20:])
+    assert early < 40 and late > 100, (early, late)  # random play lasts about 20 steps
+    again = PPO(_cartpole(), cfg)
+    again.learn(1_024)
+    first = PPO(_cartpole(), cfg)
+    first.learn(1_024)
+    assert again.episode_returns == first.episode_returns
 
 
-def test_make_node_policy_rl_loads_an_artifact(ppo_and_norm: tuple, tmp_path: Path) -> None:
-    model, venv = ppo_and_norm
-    path = save_artifact(tmp_path / "p.npz", export_weights(model, venv), {"lease_shape": {"ttl_s": 4.0}})
-    ctx = PolicyContext(
-        ClusterEstimator(ClusterConfig(), LinearCostModel()), ClusterConfig(), FakePredictor()
+def test_numpy_actor_equals_the_torch_actor_and_checkpoints_restore(tmp_path: Path) -> None:
+    venv = make_vector_env([lambda: _BoxEnv() for _ in range(2)])
+    ppo = PPO(venv, PPOConfig(n_steps=32, batch_size=32, n_epochs=2, init_action=(0.5, -0.5, 0.0, 0.2)))
+    ppo.learn(128)  # weights and statistics away from their initial values
+    weights = MlpWeights(ppo.actor_layers(), ppo.obs_rms.mean.copy(), ppo.obs_rms.var.copy())
+    path = save_artifact(tmp_path / "p.npz", weights, {"seed": 0, "command": "x"})
+    loaded, meta = load_artifact(path)
+    obs = np.random.default_rng(0).uniform(0, 1, (16, len(FEATURES)))
+    np.testing.assert_allclose(loaded.forward(obs), ppo.predict(obs), rtol=1e-5, atol=1e-5)
+    assert meta["actions"] == list(ACTIONS) and meta["seed"] == 0
+    state = ppo.state_dict()
+    other = PPO(venv, ppo.cfg)
+    other.load_state_dict(state)
+    np.testing.assert_array_equal(other.predict(obs), ppo.predict(obs))
+    assert other.num_timesteps == ppo.num_timesteps
+
+
+class _BoxEnv(gym.Env[np.ndarray, np.ndarray]):
+    """Reward for matching the action to the first features (shapes of the ``rl`` env)."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(0.0, 1.0, (len(FEATURES),), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (len(ACTIONS),), np.float32)
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(0, 1, len(FEATURES)).astype(np.float32), {}
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
+        self._t += 1
+        obs = self.np_random.uniform(0, 1, len(FEATURES)).astype(np.float32)
+        return obs, -float(np.abs(action).sum()), False, self._t >= 10, {}
+
+
+def _tiny_config(tmp_path: Path, **changes: object) -> TrainConfig:
+    base = TrainConfig(
+        out=str(tmp_path / "run"),
+        total_steps=32,
+        n_envs=2,
+        processes=False,
+        eval_every=16,
+        eval_windows=1,
+        baselines=("static", "heuristic"),
+        ppo=dataclasses.replace(TrainConfig().ppo, n_steps=8, batch_size=8, n_epochs=1),
+        predictor="constant:20000",
+        wandb=False,
+        progress=False,
+        command="crossflow train-rl --test",
+        env=TINY,
     )
-    policy = make_node_policy("rl", ctx, artifact=path)
-    assert isinstance(policy, RLPolicy) and policy.ttl_s == 4.0
-    assert isinstance(policy.propose(node_state()), LeaseBudgets)
-    assert policy.propose(node_state(queued_decode_requests=2)).is_zero()
+    return dataclasses.replace(base, **changes)
 
 
-def test_artifact_errors_name_the_file_and_field(ppo_and_norm: tuple, tmp_path: Path) -> None:
-    model, venv = ppo_and_norm
-    path = save_artifact(tmp_path / "p.npz", export_weights(model, venv), {})
-    meta_path = path.with_suffix(".json")
-    meta = json.loads(meta_path.read_text())
-    meta_path.write_text(json.dumps({**meta, "features": ["x"]}))
-    with pytest.raises(ValueError, match=r"p\.json: field 'features'"):
-        load_artifact(path)
-    meta_path.write_text("{\n  broken")
-    with pytest.raises(ValueError, match=r"p\.json: line 2"):
-        load_artifact(path)
-    with pytest.raises(FileNotFoundError, match="missing"):
-        load_artifact(tmp_path / "missing.npz")
-
-
-def test_shipped_policy_loads_and_says_how_it_was_made() -> None:
-    weights, meta = load_artifact(DEFAULT_ARTIFACT)
-    assert meta["command"].startswith("crossflow train-rl") and meta["steps"] > 0 and "seed" in meta
-    assert DEFAULT_ARTIFACT.stat().st_size < 200_000
-    policy = RLPolicy.load(FakePredictor())
-    assert policy.propose(node_state(recent_step_time_s=1.0)).is_zero()
-    assert weights.forward(np.zeros(len(FEATURES))).shape == (2,)
-
-
-@pytest.mark.slow
-def test_train_rl_end_to_end_and_resume(tmp_path: Path) -> None:
+def test_a_tiny_training_run_exports_a_policy_with_its_provenance_and_resumes(tmp_path: Path) -> None:
+    result = train(_tiny_config(tmp_path, wandb=True))
     out = tmp_path / "run"
-    common = [
-        sys.executable, "-m", "train.rl_cli", "train-rl", "--out", str(out), "--n-envs", "1",
-        "--n-steps", "64", "--batch-size", "32", "--eval-windows", "1", "--eval-every", "128",
-        "--checkpoint-every", "128", "--episode-intervals", "16", "--n-sessions", "8",
-        "--warmup-range", "5", "10", "--predictor", "constant:20000", "--no-progress",
-    ]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    first = subprocess.run(
-        [*common, "--total-steps", "256"], cwd=REPO, env=env, capture_output=True, text=True
+    _, meta = load_artifact(result["artifact"])
+    assert meta["command"] == "crossflow train-rl --test" and meta["seed"] == 0 and meta["steps"] == 32
+    assert (
+        meta["selected_steps"] in (0, 16, 32)
+        and meta["start"] == "heuristic-shed"
+        and meta["decision_intervals"] == TINY.decision_intervals
     )
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert "rl" in first.stdout and "heuristic" in first.stdout
-    assert (out / "checkpoints" / "ppo_128.zip").is_file()
-    assert (out / "checkpoints" / "ppo_128_vecnormalize.pkl").is_file()
-    steps = [h["steps"] for h in json.loads((out / "eval.json").read_text())["history"]]
-    assert steps == [128, 256]  # the final evaluation at 256 is the in-training one, not run again
-    resumed = subprocess.run(
-        [*common, "--total-steps", "320", "--resume", str(out / "checkpoints" / "ppo_256.zip"), "--no-wandb"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    _, meta = load_artifact(out / "policy.npz")
-    assert meta["steps"] == 320 and "--resume" in meta["command"]
-    history = json.loads((out / "eval.json").read_text())["history"]
-    assert history[-1]["steps"] == 320 and {"static", "heuristic", "rl"} <= set(history[-1]["summary"])
+    assert {"static", "heuristic", "rl"} <= set(result["summary"])
+    evals = json.loads((out / "eval.json").read_text())["evals"]
+    assert [e["steps"] for e in evals] == [0, 16, 32]  # the untrained start rule is a candidate too
+    assert (out / "checkpoints" / "ppo_16.pt").is_file()
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run folder missing"
+    resumed = train(_tiny_config(tmp_path, total_steps=48, resume=str(out / "checkpoints" / "ppo_32.pt")))
+    assert resumed["steps"] == 48
+
+
+def test_the_shipped_policy_loads_and_records_how_it_was_made() -> None:
+    weights, meta = load_artifact(DEFAULT_ARTIFACT)
+    assert meta["command"].startswith("crossflow train-rl") and isinstance(meta["seed"], int)
+    assert meta["steps"] > 0 and meta["env_config"]["trace"] == "mooncake"
+    assert weights.forward(np.zeros(len(FEATURES))).shape == (len(ACTIONS),)
+
+
+def test_rl_runs_through_simulate_and_compare(tmp_path: Path) -> None:
+    from train.cli import main
+
+    base = ["simulate", "--trace", "mooncake", "--max-requests", "40", "--no-progress"]
+    for policy in ("rl", "greedy-model"):
+        assert main([*base, "--policy", policy, "--json", str(tmp_path / f"{policy}.json")]) == 0
+        assert json.loads((tmp_path / f"{policy}.json").read_text())["metrics"]["n_finished"] > 0
+    out = tmp_path / "cmp"
+    argv = [
+        "compare", "--policies", "static,rl,greedy-model", "--traces", "mooncake", "--max-requests", "40",
+        "--seeds", "1", "--latency-loads", "1", "--throughput-loads", "2", "--no-gpus-needed",
+        "--no-wandb", "--no-progress", "--jobs", "1", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    capacity = json.loads((out / "results.json").read_text())["capacity"]
+    assert {"rl", "greedy-model"} <= {c["point"]["policy"] for c in capacity if c["role"] == "capacity"}

@@ -209,14 +209,14 @@ def point_from_args(args: argparse.Namespace) -> Any:
             )
     params: tuple[tuple[str, Any], ...] = tuple(_policy_param(text) for text in args.policy_param)
     if args.rl_policy is not None:
-        from policies.rl_policy import load_artifact
+        from policies.rl_policy import ARTIFACT_PARAM, load_artifact, runs_rl_weights
 
-        if policy_spec(args.policy).node != "rl":
+        if not runs_rl_weights(policy_spec(args.policy)):
             raise ValueError(
-                f"--rl-policy: needs --policy rl (or a policy whose node policy is rl), not {args.policy!r}"
+                f"--rl-policy: needs --policy rl (or a policy whose path policy is rl), not {args.policy!r}"
             )
         load_artifact(args.rl_policy)  # validated before anything runs
-        params = (*params, ("node.artifact", str(args.rl_policy)))
+        params = (*params, (ARTIFACT_PARAM, str(args.rl_policy)))
     return Point(
         policy=args.policy,
         trace=args.trace,
@@ -425,10 +425,10 @@ def _run_bundle(args: argparse.Namespace) -> int:
 
         tp = args.tp if args.tp is not None else default_tp(args.model)
         im = str(DATA_DIR / artifact_slug(args.gpu, args.model, tp))
-    rl = args.rl_policy
-    if rl is None and spec.node == "rl":
-        from policies.rl_policy import DEFAULT_ARTIFACT
+    from policies.rl_policy import DEFAULT_ARTIFACT, runs_rl_weights
 
+    rl = args.rl_policy
+    if rl is None and runs_rl_weights(spec):
         rl = str(DEFAULT_ARTIFACT)
     try:
         params = None if args.params is None else json.loads(args.params)
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cli.add_parser(sub)
     try:
         from train import rl_cli
-    except ImportError:  # the RL extra (torch, stable-baselines3) is not installed
+    except ImportError:  # the RL extra (torch) is not installed
         rl_cli = None  # type: ignore[assignment]
     if rl_cli is not None:
         rl_cli.add_parser(sub)

@@ -624,9 +624,9 @@ def validate_artifacts(spec: GridSpec, artifacts: dict[str, str]) -> None:
     for key, folder in artifacts.items():
         model = key.rpartition("|")[2]
         _cached_predictor(folder, spec.gpu, model, spec.resolved_tp(model))
-    if any(policy_spec(p).node == "rl" for p in spec.simulated_policies()):
-        from policies.rl_policy import DEFAULT_ARTIFACT, load_artifact
+    from policies.rl_policy import DEFAULT_ARTIFACT, load_artifact, runs_rl_weights
 
+    if any(runs_rl_weights(policy_spec(p)) for p in spec.simulated_policies()):
         load_artifact(DEFAULT_ARTIFACT)
 
 
@@ -1338,7 +1338,7 @@ def run_bundles(results: dict[str, Any], out: Path, artifacts: dict[str, str]) -
 
     from policies.bundle import write_policy_bundle
     from policies.catalog import tuned_params
-    from policies.rl_policy import DEFAULT_ARTIFACT
+    from policies.rl_policy import ARTIFACT_PARAM, DEFAULT_ARTIFACT, runs_rl_weights
 
     given = results.get("bundles") or {}
     found: dict[tuple[str, str], str] = {}
@@ -1353,7 +1353,7 @@ def run_bundles(results: dict[str, Any], out: Path, artifacts: dict[str, str]) -
         if spec.passive or spec.grid_level:
             continue
         params = {**tuned_params(policy), **{k: v for k, v in p["point"].get("policy_params") or ()}}
-        rl = params.pop("node.artifact", DEFAULT_ARTIFACT) if spec.node == "rl" else None
+        rl = params.pop(ARTIFACT_PARAM, DEFAULT_ARTIFACT) if runs_rl_weights(spec) else None
         name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{policy}-{model}")
         folder = out / RUN_BUNDLES / name
         if folder.exists():

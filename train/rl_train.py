@@ -1,16 +1,13 @@
-"""PPO training of the ``rl`` lease policy on ``envs.rl_env.LeaseEnv`` (stable-baselines3).
+"""PPO training of the ``rl`` policy on ``envs.rl_env.PathLeaseEnv`` (``train.ppo``).
 
 One entry point, :func:`train`, used by ``crossflow train-rl``. It builds ``n_envs`` environments
-(subprocesses when more than one), normalises observations and rewards (``VecNormalize``), trains
-PPO with checkpoints (model + normalisation, so ``resume`` continues exactly), evaluates the current
-policy against ``static`` and ``heuristic`` on fixed held-out windows, logs curves, tables and the
-final policy to W&B (offline unless the user set ``WANDB_MODE``), and exports the policy for the
-numpy-only :class:`policies.rl_policy.RLPolicy`.
-
-Split: closed-loop traces split by session (``EnvConfig.eval_fraction`` of sessions, chosen by
-``split_seed``, are never seen in training); open-loop traces by time (the last share of the span).
-Evaluation windows are drawn from the held-out part with a fixed seed, at the low, middle and high
-training loads.
+on the **development** side of the trace (``envs.splits``; held-out sessions or minutes are never
+simulated here: ``crossflow compare --splits heldout`` reports on them), trains PPO with checkpoints,
+scores the current policy every ``eval_every`` steps on fixed validation windows of the development
+side against the baselines (``static``, ``heuristic``, ``heuristic-shed``, ``greedy-model`` and the
+best tuned peer, ``dynamo-load``), exports the policy that validated best for the numpy-only
+``policies.rl_policy.LearnedPath``, and logs the training curves, every evaluation and the exported
+policy to W&B (offline unless the user set ``WANDB_MODE``).
 """
 
 from __future__ import annotations
@@ -20,20 +17,39 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envs.rl_env import EnvConfig, LeaseEnv, Window, eval_windows
-from policies.node_policies import HeuristicPolicy, NodePolicy, SafePrefillPredictor, StaticPolicy
-from policies.rl_policy import LeaseShape, MlpWeights, RLPolicy, save_artifact
+from envs.rl_env import EnvConfig, PathLeaseEnv, Window, draw_windows
+from policies.catalog import tuned_params
+from policies.node_policies import SafePrefillPredictor
+from policies.rl_policy import (
+    ACTIONS,
+    ARTIFACT_PARAM,
+    FEATURES,
+    HEURISTIC_KNOBS,
+    SHED_KNOBS,
+    Knobs,
+    MlpWeights,
+    action_to_knobs,
+    load_artifact,
+    save_artifact,
+)
 from train.jsonio import write_json
+from train.ppo_config import PPOConfig
 
-os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("WANDB_SILENT", "true")
+BASELINES: tuple[str, ...] = ("static", "heuristic", "heuristic-shed", "greedy-model", "dynamo-load")
+"""What the learned policy is scored against: no lending, Crossflow's rule (without and with
+shedding), the ablation (the model's estimates, greedy, no learning), and the best tuned peer on
+Mooncake among those that do not borrow leases (``policies/data/tuned_policies.json``)."""
+STARTS: dict[str, Knobs] = {"heuristic": HEURISTIC_KNOBS, "heuristic-shed": SHED_KNOBS}
+"""Where the untrained actor's mean starts (``TrainConfig.start``)."""
+VALIDATION_SEED = 4321
+"""Seed of the validation windows (development side; the training windows come from ``seed``)."""
 
 
 @dataclass(frozen=True)
@@ -77,37 +93,38 @@ class TrainConfig:
     """Arguments of ``crossflow train-rl`` (each becomes a flag; see ``train.rl_cli``)."""
 
     out: str = "runs/train-rl"
-    """Run folder: checkpoints, the exported policy, eval results, W&B files."""
-    total_steps: int = 200_000
-    """Environment steps (one node decision each) in total, including any resumed ones."""
-    n_envs: int = 2
-    """Parallel environments (subprocesses when > 1)."""
+    """Run folder: checkpoints, candidate policies, the exported policy, eval.json, W&B files."""
+    total_steps: int = 20_000
+    """Agent steps (one per environment per decision) in total, including any resumed ones."""
+    n_envs: int = 4
+    processes: bool = True
+    """Step the environments in subprocesses (one each) rather than in turn in this process."""
     seed: int = 0
     resume: str | None = None
-    """Checkpoint .zip to continue from (its VecNormalize .pkl must lie next to it)."""
+    """Checkpoint (.pt) to continue from."""
     predictor: str | None = None
     """Interference model: artifact folder, ``constant:N``, or None for the shipped one."""
     export: str | None = None
-    """Also copy the final policy (.npz + .json) here."""
-    eval_every: int = 50_000
-    eval_windows: int = 6
-    checkpoint_every: int = 50_000
-    n_steps: int = 512
-    """Rollout length per environment between PPO updates."""
-    batch_size: int = 256
-    n_epochs: int = 5
-    learning_rate: float = 3e-4
-    gamma: float = 0.995
-    gae_lambda: float = 0.95
-    ent_coef: float = 0.0
-    net_arch: tuple[int, ...] = (64, 64)
-    log_std_init: float = -1.0
-    """Initial log standard deviation of the Gaussian actions (SB3's 0 explores too wildly here: one
-    node's action moves a cluster-wide reward only a little, so noise swamps the signal)."""
-    init_controls: tuple[float, float] | None = (0.8, 1.0)
-    """``(compute_scale, task_share)`` the untrained policy's mean action starts at: the heuristic's
-    margin and all tasks, so PPO learns state-dependent departures from the heuristic's setting
-    rather than starting from a random one. None: SB3's default (the middle of the box)."""
+    """Also copy the exported policy (.npz + .json) here."""
+    eval_every: int = 5_000
+    eval_windows: int = 3
+    """Validation windows (development side, seed ``VALIDATION_SEED``; loads low, middle, high)."""
+    baselines: tuple[str, ...] = BASELINES
+    ppo: PPOConfig = field(
+        default_factory=lambda: PPOConfig(
+            n_steps=64,
+            n_epochs=10,
+            batch_size=64,
+            learning_rate=3e-4,
+            gamma=0.9,
+            gae_lambda=0.9,
+            log_std_init=-0.7,
+        )
+    )
+    """PPO's hyperparameters (``init_action`` None: the knobs of ``start``)."""
+    start: str = "heuristic-shed"
+    """The rule the untrained actor's mean starts at (``STARTS``): PPO learns state-dependent
+    departures from one of Crossflow's fixed rules rather than starting from the middle of the box."""
     wandb: bool = True
     progress: bool = True
     command: str = ""
@@ -115,310 +132,224 @@ class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
 
 
-def _make_env(config: EnvConfig, predictor_spec: str | None, split: str = "train") -> Callable[[], Any]:
-    def build() -> LeaseEnv:
-        import torch
-
-        torch.set_num_threads(1)  # each subprocess is one core's worth of simulation
+def _make_env(config: EnvConfig, predictor_spec: str | None) -> Any:
+    def build() -> PathLeaseEnv:
         cluster = config.cluster()
         predictor = load_predictor_spec(predictor_spec, cluster.gpu, cluster.model, cluster.tp)
-        return LeaseEnv(config, predictor=predictor, split=split)
+        return PathLeaseEnv(config, predictor=predictor, side="dev")
 
     return build
 
 
-def export_weights(model: Any, vecnorm: Any) -> MlpWeights:
-    """The actor of an SB3 PPO ``MlpPolicy`` (tanh MLP + action head) and the observation statistics."""
-    from torch import nn
-
-    policy = model.policy
-    linears = [m for m in policy.mlp_extractor.policy_net if isinstance(m, nn.Linear)] + [policy.action_net]
-    layers = tuple(
-        (m.weight.detach().cpu().numpy().astype(np.float64), m.bias.detach().cpu().numpy().astype(np.float64))
-        for m in linears
-    )
-    return MlpWeights(
-        layers,
-        np.asarray(vecnorm.obs_rms.mean, dtype=np.float64),
-        np.asarray(vecnorm.obs_rms.var, dtype=np.float64),
-        float(vecnorm.clip_obs),
-        float(vecnorm.epsilon),
-    )
-
-
 def _library_versions() -> dict[str, str]:
     import gymnasium
-    import stable_baselines3
     import torch
 
-    return {
-        "stable_baselines3": stable_baselines3.__version__,
-        "torch": torch.__version__,
-        "gymnasium": gymnasium.__version__,
-    }
+    return {"torch": torch.__version__, "gymnasium": gymnasium.__version__}
 
 
-def baseline_policies(predictor: SafePrefillPredictor, env: LeaseEnv) -> dict[str, NodePolicy]:
-    """``static``, ``heuristic`` (its defaults) and ``heuristic_same_ttl`` (the heuristic given the RL
-    policy's TTL and task cap, to separate what was learned from what the lease shape gives)."""
-    itl = env.cluster.slo_tpot_s
-    shape = env.config.lease_shape
-    return {
-        "static": StaticPolicy(),
-        "heuristic": HeuristicPolicy(predictor, itl_target_s=itl),
-        "heuristic_same_ttl": HeuristicPolicy(
-            predictor, itl_target_s=itl, ttl_s=shape.ttl_s, max_tasks=shape.max_tasks
-        ),
-    }
-
-
-def evaluate(env: LeaseEnv, windows: list[Window], policies: dict[str, NodePolicy]) -> list[dict[str, Any]]:
-    """One row per (policy, window): :meth:`LeaseEnv.run_policy`'s figures plus the window."""
+def evaluate(
+    env: PathLeaseEnv,
+    windows: Sequence[Window],
+    policies: dict[str, dict[str, Any] | None],
+) -> list[dict[str, Any]]:
+    """One row per (policy, window): :meth:`PathLeaseEnv.run_policy`'s figures plus the window.
+    ``policies``: catalog name -> dotted parameters (None: its shipped tuned values)."""
     rows = []
-    for name, policy in policies.items():
+    for name, params in policies.items():
         for i, window in enumerate(windows):
-            rows.append({"policy": name, "window": i, "load": window.load, **env.run_policy(window, policy)})
+            rows.append(
+                {"policy": name, "window": i, "load": window.load, **env.run_policy(window, name, params)}
+            )
     return rows
 
 
-def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per policy: mean of each figure over windows (NaN-aware) and geo-mean throughput gain over static."""
+def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per policy: the mean of each figure over windows (NaN-aware)."""
     by: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by.setdefault(row["policy"], []).append(row)
-    out: dict[str, dict[str, float]] = {}
-    static = {r["window"]: r for r in by.get("static", [])}
-    for name, items in by.items():
-        keys = [k for k in items[0] if k not in ("policy", "window")]
-        summary = {k: float(np.nanmean([r[k] for r in items])) for k in keys}
-        for metric in ("input_tokens_per_s", "output_tokens_per_s"):
-            pairs = [(r[metric], static[r["window"]][metric]) for r in items if r["window"] in static]
-            ratios = [a / b for a, b in pairs if a > 0 and b > 0]
-            if ratios:
-                summary[f"{metric}_geomean_gain"] = float(np.exp(np.mean(np.log(ratios))) - 1.0)
-        out[name] = summary
-    return out
+    return {
+        name: {k: float(np.nanmean([r[k] for r in items])) for k in items[0] if k not in ("policy", "window")}
+        for name, items in by.items()
+    }
 
 
-def decision_statistics(env: LeaseEnv, windows: list[Window], policy: RLPolicy) -> dict[str, Any]:
-    """What ``policy`` decides on ``windows`` (through ``env``'s steps): its compute scale (mean, min,
-    max), how often it admits each task count, and the correlation of the scale and the task count
-    with each observed feature (states under decode pressure excluded: the shield decides there)."""
-    from policies.rl_policy import FEATURES, action_to_controls
-
-    obs_rows, scales, tasks = [], [], []
+def decision_statistics(env: PathLeaseEnv, windows: Sequence[Window], weights: MlpWeights) -> dict[str, Any]:
+    """What the policy decides on ``windows`` (replayed through ``env``'s steps): each knob's mean,
+    range and correlation with each observed feature."""
+    obs_rows, knob_rows = [], []
     for window in windows:
         obs, _ = env.reset(options={"window": window})
         done = False
         while not done:
-            action = policy.weights.forward(obs)
-            scale, n_tasks = action_to_controls(action, policy.shape)
+            action = weights.forward(obs)
+            knobs = action_to_knobs(action)
             obs_rows.append(obs)
-            scales.append(scale)
-            tasks.append(n_tasks)
+            knob_rows.append([getattr(knobs, k) for k in ACTIONS])
             obs, _, terminated, truncated, _ = env.step(action.astype(np.float32))
             done = terminated or truncated
-    X, sc, tk = np.array(obs_rows), np.array(scales), np.array(tasks)
-    free = X[:, FEATURES.index("decode_pressure")] == 0
-    corr: dict[str, dict[str, float]] = {}
-    for i, name in enumerate(FEATURES):
-        x = X[free, i]
-        if x.std() > 0 and sc[free].std() > 0 and tk[free].std() > 0:
-            corr[name] = {
-                "scale": float(np.corrcoef(x, sc[free])[0, 1]),
-                "tasks": float(np.corrcoef(x, tk[free])[0, 1]),
-            }
-    return {
-        "decisions": len(sc),
-        "decode_pressure_share": float(1.0 - free.mean()),
-        "scale_mean": float(sc.mean()),
-        "scale_min": float(sc.min()),
-        "scale_max": float(sc.max()),
-        "tasks_histogram": np.bincount(tk, minlength=policy.shape.max_tasks + 1).tolist(),
-        "correlations": corr,
-    }
+    X, K = np.array(obs_rows), np.array(knob_rows)
+    out: dict[str, Any] = {"decisions": len(K)}
+    for j, name in enumerate(ACTIONS):
+        col = K[:, j]
+        corr = {}
+        for i, feat in enumerate(FEATURES):
+            if X[:, i].std() > 0 and col.std() > 0:
+                corr[feat] = float(np.corrcoef(X[:, i], col)[0, 1])
+        top = sorted(corr.items(), key=lambda kv: -abs(kv[1]))[:4]
+        out[name] = {
+            "mean": float(col.mean()),
+            "min": float(col.min()),
+            "max": float(col.max()),
+            "top_correlations": dict(top),
+        }
+    return out
 
 
 def evaluate_artifact(
-    env_config: EnvConfig, artifact: str | Path | None, n_windows: int, predictor_spec: str | None = None
+    env_config: EnvConfig,
+    artifact: str | Path | None,
+    n_windows: int,
+    predictor_spec: str | None = None,
+    baselines: Sequence[str] = BASELINES,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``rl`` (the exported policy at ``artifact``, default the shipped one) against the baselines on
-    ``n_windows`` held-out windows of ``env_config``; returns the per-window rows and the summary
-    (per policy, plus ``rl_decisions``: :func:`decision_statistics`)."""
+    """``rl`` (the policy at ``artifact``, default the shipped one) against ``baselines`` on the
+    validation windows of ``env_config``'s development side; the per-window rows and the summary
+    (plus ``rl_decisions``: :func:`decision_statistics`)."""
+    from policies.rl_policy import DEFAULT_ARTIFACT
+
+    path = Path(artifact) if artifact is not None else DEFAULT_ARTIFACT
+    weights, _ = load_artifact(path)
     cluster = env_config.cluster()
     predictor = load_predictor_spec(predictor_spec, cluster.gpu, cluster.model, cluster.tp)
-    env = LeaseEnv(env_config, predictor=predictor, split="eval")
-    rl = RLPolicy.load(predictor, artifact)
-    windows = eval_windows(env_config, n_windows)
-    rows = evaluate(env, windows, baseline_policies(predictor, env) | {"rl": rl})
-    return rows, summarise(rows) | {"rl_decisions": decision_statistics(env, windows, rl)}
+    env = PathLeaseEnv(env_config, predictor=predictor, side="dev")
+    windows = draw_windows(env_config, n_windows, VALIDATION_SEED)
+    policies: dict[str, dict[str, Any] | None] = {b: None for b in baselines}
+    policies["rl"] = {**tuned_params("rl"), ARTIFACT_PARAM: str(path)}
+    rows = evaluate(env, windows, policies)
+    return rows, summarise(rows) | {"rl_decisions": decision_statistics(env, windows, weights)}
 
 
-def _build_model(cfg: TrainConfig) -> tuple[Any, Any]:
-    """A new PPO model on fresh vector envs, or the checkpoint ``cfg.resume`` with its normalisation."""
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecMonitor, VecNormalize
-
-    factories = [_make_env(cfg.env, cfg.predictor) for _ in range(cfg.n_envs)]
-    raw = VecMonitor(SubprocVecEnv(factories) if cfg.n_envs > 1 else DummyVecEnv(factories))
-    if cfg.resume:
-        resume = Path(cfg.resume)
-        stats = resume.with_name(resume.stem + "_vecnormalize.pkl")
-        if not resume.is_file() or not stats.is_file():
-            raise FileNotFoundError(f"--resume needs {resume} and {stats}")
-        venv = VecNormalize.load(str(stats), raw)
-        venv.training = True
-        return PPO.load(str(resume), env=venv, device="cpu"), venv
-    venv = VecNormalize(raw, norm_obs=True, norm_reward=True, clip_obs=10.0, gamma=cfg.gamma)
-    model = PPO(
-        "MlpPolicy",
-        venv,
-        n_steps=cfg.n_steps,
-        batch_size=cfg.batch_size,
-        n_epochs=cfg.n_epochs,
-        learning_rate=cfg.learning_rate,
-        gamma=cfg.gamma,
-        gae_lambda=cfg.gae_lambda,
-        ent_coef=cfg.ent_coef,
-        policy_kwargs={
-            "net_arch": {"pi": list(cfg.net_arch), "vf": list(cfg.net_arch)},
-            "log_std_init": cfg.log_std_init,
-        },
-        seed=cfg.seed,
-        device="cpu",
-        verbose=0,
-    )
-    if cfg.init_controls is not None:
-        import torch
-
-        scale, task_share = cfg.init_controls
-        shape = cfg.env.lease_shape
-        # SB3 initialises the action head with gain 0.01, so its output starts at about its bias.
-        bias = [2.0 * min(scale / shape.max_scale, 1.0) - 1.0, 2.0 * task_share - 1.0]
-        action_net: Any = model.policy.action_net
-        with torch.no_grad():
-            action_net.bias.copy_(torch.tensor(bias))
-    return model, venv
+if TYPE_CHECKING:
+    from train.ppo import PPO
 
 
 class _Trainer:
-    """One training run's state: model, evaluation windows and baselines, W&B run, history."""
+    """One training run: PPO, validation windows and baseline scores, history, the best policy."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         if cfg.total_steps < 1 or cfg.n_envs < 1:
             raise ValueError("total_steps and n_envs must be >= 1")
+        if cfg.start not in STARTS:
+            raise ValueError(f"start must be one of {sorted(STARTS)}, got {cfg.start!r}")
         self.cfg = cfg
         self.out = Path(cfg.out)
-        (self.out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        for sub in ("checkpoints", "candidates"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
         cluster = cfg.env.cluster()
         self.predictor = load_predictor_spec(cfg.predictor, cluster.gpu, cluster.model, cluster.tp)
-        self.model, self.venv = _build_model(cfg)
-        self.eval_env = LeaseEnv(cfg.env, predictor=self.predictor, split="eval")
-        self.windows = eval_windows(cfg.env, cfg.eval_windows)
-        self.baseline_rows = evaluate(
-            self.eval_env, self.windows, baseline_policies(self.predictor, self.eval_env)
-        )
-        # Checkpoint selection uses windows of the *training* sessions (other seeds), never the held-out ones.
-        self.val_env = LeaseEnv(cfg.env, predictor=self.predictor, split="train")
-        self.val_windows = eval_windows(cfg.env, cfg.eval_windows, seed=4321)
+        from train.ppo import PPO, make_vector_env
+
+        factories = [_make_env(cfg.env, cfg.predictor) for _ in range(cfg.n_envs)]
+        self.venv = make_vector_env(factories, processes=cfg.processes)
+        self.venv.reset(seed=cfg.seed)
+        ppo_cfg = cfg.ppo
+        if ppo_cfg.init_action is None:
+            start = tuple(float(x) for x in STARTS[cfg.start].to_action())
+            ppo_cfg = dataclasses.replace(ppo_cfg, init_action=start)
+        self.ppo = PPO(self.venv, ppo_cfg)
+        if cfg.resume:
+            import torch
+
+            if not Path(cfg.resume).is_file():
+                raise FileNotFoundError(f"--resume: no checkpoint {cfg.resume}")
+            self.ppo.load_state_dict(torch.load(cfg.resume, weights_only=False))
+        self.val_env = PathLeaseEnv(cfg.env, predictor=self.predictor, side="dev")
+        self.windows = draw_windows(cfg.env, cfg.eval_windows, VALIDATION_SEED)
+        self.baseline_rows = evaluate(self.val_env, self.windows, {b: None for b in cfg.baselines})
         self.best: tuple[float, int, MlpWeights] | None = None
-        self.last_eval: tuple[int, dict[str, dict[str, float]]] | None = None
-        """(steps, held-out summary) of the latest evaluation (the final one is not run twice)."""
         """(validation reward, steps, weights) of the best policy so far."""
         self.history: list[dict[str, Any]] = []
-        self.run: Any = None
-        if cfg.wandb:
-            import wandb
+        """Training curves: one row per PPO update (``steps``, losses, episode returns, timings)."""
+        self.evals: list[dict[str, Any]] = []
+        """One row per evaluation: steps, validation reward, the summary per policy."""
+        self.next_eval = self.ppo.num_timesteps + cfg.eval_every
+        self.eval_s = 0.0
+        """Wall time spent in evaluations during training (left out of the training speed)."""
+        self.bar: Any = None
 
-            self.run = wandb.init(
-                project="crossflow",
-                job_type="train-rl",
-                group="train-rl",
-                name=f"train-rl-{self.out.name}-seed{cfg.seed}",
-                tags=["train-rl", cfg.env.trace, cfg.env.model, cfg.env.shape],
-                dir=str(self.out),
-                config={**dataclasses.asdict(cfg), "env": cfg.env.to_dict()},
-                mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
-            )
-
-    def current_policy(self) -> RLPolicy:
-        return RLPolicy(self.predictor, export_weights(self.model, self.venv), self.cfg.env.lease_shape)
+    def weights(self) -> MlpWeights:
+        return MlpWeights(
+            self.ppo.actor_layers(),
+            self.ppo.obs_rms.mean.copy(),
+            self.ppo.obs_rms.var.copy(),
+            self.cfg.ppo.clip_obs,
+            1e-8,
+        )
 
     def save_checkpoint(self, steps: int) -> Path:
-        """``checkpoints/ppo_<steps>.zip`` and its ``_vecnormalize.pkl``, each written then renamed."""
-        folder = self.out / "checkpoints"
-        tmp_model, tmp_stats = folder / f".ppo_{steps}-partial.zip", folder / f".ppo_{steps}-partial.pkl"
-        self.model.save(str(tmp_model))
-        self.venv.save(str(tmp_stats))
-        final = folder / f"ppo_{steps}.zip"
-        tmp_model.replace(final)
-        tmp_stats.replace(folder / f"ppo_{steps}_vecnormalize.pkl")
+        import torch
+
+        final = self.out / "checkpoints" / f"ppo_{steps}.pt"
+        tmp = final.with_name(f".{final.name}.tmp")
+        torch.save(self.ppo.state_dict(), tmp)
+        tmp.replace(final)
         return final
 
-    def log(self, values: dict[str, Any], steps: int) -> None:
-        if self.run is not None and values:
-            self.run.log(values, step=steps)
-
-    def run_eval(self, steps: int, weights: MlpWeights | None = None) -> dict[str, dict[str, float]]:
-        """Validate the current policy (or ``weights``) for checkpoint selection, and compare it with
-        the baselines on the held-out windows."""
-        weights = weights or export_weights(self.model, self.venv)
-        policy = RLPolicy(self.predictor, weights, self.cfg.env.lease_shape)
-        val_rows = evaluate(self.val_env, self.val_windows, {"rl": policy})
-        val_reward = float(np.mean([r["reward"] for r in val_rows]))
-        if self.best is None or val_reward > self.best[0]:
-            self.best = (val_reward, steps, weights)
-        rows = self.baseline_rows + evaluate(self.eval_env, self.windows, {"rl": policy})
-        summary = summarise(rows)
-        self.history.append({"steps": steps, "validation_reward": val_reward, "summary": summary})
-        flat: dict[str, Any] = {"eval/rl_validation_reward": val_reward} | {
-            f"eval/{p}/{k}": v for p, s in summary.items() for k, v in s.items() if math.isfinite(v)
-        }
-        if self.run is not None:
-            import wandb
-
-            names = list(rows[0])
-            columns: list[str | int] = list(names)
-            flat["eval/table"] = wandb.Table(columns=columns, data=[[r[c] for c in names] for r in rows])
-        self.log(flat, steps)
+    def run_eval(self, steps: int) -> dict[str, dict[str, float]]:
+        """Validate the current policy (saved as ``candidates/policy_<steps>``) on the windows."""
+        t0 = time.perf_counter()
+        weights = self.weights()
+        candidate = save_artifact(
+            self.out / "candidates" / f"policy_{steps}.npz", weights, self.metadata({}, 0.0, steps)
+        )
+        rows = evaluate(
+            self.val_env, self.windows, {"rl": {**tuned_params("rl"), ARTIFACT_PARAM: str(candidate)}}
+        )
+        reward = float(np.mean([r["reward"] for r in rows]))
+        if self.best is None or reward > self.best[0]:
+            self.best = (reward, steps, weights)
+        summary = summarise(self.baseline_rows + rows)
+        self.evals.append({"steps": steps, "validation_reward": reward, "summary": summary, "rows": rows})
         if self.cfg.progress:
-            from tqdm import tqdm
-
-            line = ", ".join(f"{p} {s['reward']:.2f}" for p, s in summary.items())
-            tqdm.write(f"eval at {steps} steps: validation {val_reward:.2f}; mean held-out reward: {line}")
-        self.last_eval = (steps, summary)
+            line = ", ".join(f"{p} {s['reward']:.1f}" for p, s in summary.items())
+            print(f"eval at {steps} steps: mean validation reward {line}", flush=True)
+        self.eval_s += time.perf_counter() - t0
         return summary
 
-    def metadata(self, summary: dict[str, Any], train_s: float) -> dict[str, Any]:
+    def on_update(self, ppo: PPO, stats: dict[str, float]) -> None:
+        steps = ppo.num_timesteps
+        self.history.append({"steps": steps, **stats})
+        if self.bar is not None:
+            self.bar.update(steps - self.bar.n)
+            if "ep_return_mean" in stats:
+                self.bar.set_postfix(ep_return=f"{stats['ep_return_mean']:.1f}")
+        if steps >= self.next_eval:
+            self.next_eval += self.cfg.eval_every
+            self.save_checkpoint(steps)
+            self.run_eval(steps)
+
+    def metadata(self, summary: dict[str, Any], train_s: float, steps: int) -> dict[str, Any]:
         cfg = self.cfg
         keep = ("command", "data_sha256", "hardware", "model", "tp", "itl_target")
         return {
             "command": cfg.command,
             "seed": cfg.seed,
-            "steps": int(self.model.num_timesteps),
+            "steps": steps,
             "train_seconds": round(train_s, 1),
             "n_envs": cfg.n_envs,
-            "lease_shape": cfg.env.lease_shape.to_dict(),
+            "decision_intervals": cfg.env.decision_intervals,
             "env_config": cfg.env.to_dict(),
+            "node_params": {k: v for k, v in tuned_params("rl").items() if not k.startswith("path.")},
             "predictor": cfg.predictor or "shipped default",
             "predictor_metadata": {
                 k: v for k, v in getattr(self.predictor, "metadata", {}).items() if k in keep
             },
-            "ppo": {
-                k: getattr(cfg, k)
-                for k in (
-                    "n_steps",
-                    "batch_size",
-                    "n_epochs",
-                    "learning_rate",
-                    "gamma",
-                    "gae_lambda",
-                    "ent_coef",
-                )
-            }
-            | {"net_arch": list(cfg.net_arch)},
+            "ppo": self.ppo.cfg.to_dict(),
+            "start": cfg.start,
             "libraries": _library_versions(),
-            "eval_summary": summary,
+            "validation_summary": summary,
         }
 
     def export(self, weights: MlpWeights, metadata: dict[str, Any]) -> Path:
@@ -435,127 +366,126 @@ class _Trainer:
                 tmp.replace(dst)
         return artifact
 
-    def finish(self, artifact: Path, steps: int) -> None:
-        payload = {"windows": [dataclasses.asdict(w) for w in self.windows], "history": self.history}
-        write_json(self.out / "eval.json", payload)
-        if self.run is not None:
-            import wandb
+    def log_wandb(self, artifact: Path, summary: dict[str, Any]) -> None:
+        from train.wandb_log import RunLog, log_runs
 
-            art = wandb.Artifact(
-                "rl-lease-policy", type="policy", metadata={"steps": steps, "seed": self.cfg.seed}
-            )
-            art.add_file(str(artifact))
-            art.add_file(str(artifact.with_suffix(".json")))
-            self.run.log_artifact(art)
-            self.run.finish()
-        self.venv.close()
-
-
-def _callback(trainer: _Trainer) -> Any:
-    """Progress bar, W&B training curves, periodic evaluation and checkpoints."""
-    from stable_baselines3.common.callbacks import BaseCallback
-
-    cfg, model = trainer.cfg, trainer.model
-
-    class Hooks(BaseCallback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bar: Any = None
-            self.next_eval = model.num_timesteps + cfg.eval_every
-            self.next_ckpt = model.num_timesteps + cfg.checkpoint_every
-
-        def _on_training_start(self) -> None:
-            if cfg.progress:
-                from tqdm import tqdm
-
-                self.bar = tqdm(
-                    total=cfg.total_steps, initial=model.num_timesteps, unit="step", desc="train-rl"
+        history = [
+            {f"train/{k}": v for k, v in row.items() if k != "steps"} | {"steps": row["steps"]}
+            for row in self.history
+        ]
+        for ev in self.evals:
+            flat = {
+                f"eval/{p}/{k}": v for p, s in ev["summary"].items() for k, v in s.items() if math.isfinite(v)
+            }
+            history.append({"steps": ev["steps"], "eval/validation_reward": ev["validation_reward"], **flat})
+        history.sort(key=lambda r: r["steps"])
+        columns = [
+            "steps",
+            "policy",
+            "window",
+            "load",
+            "reward",
+            "goodput_per_s",
+            "slo_share",
+            "missed",
+            "shed",
+        ]
+        table_rows = [[0, *(r[c] for c in columns[1:])] for r in self.baseline_rows] + [
+            [ev["steps"], *(r[c] for c in columns[1:])] for ev in self.evals for r in ev["rows"]
+        ]
+        cfg = self.cfg
+        log_runs(
+            [
+                RunLog(
+                    name=f"train-rl-{self.out.name}-seed{cfg.seed}",
+                    group="train-rl",
+                    tags=["train-rl", cfg.env.trace, cfg.env.model, cfg.env.shape],
+                    config={**asdict(cfg), "env": cfg.env.to_dict()},
+                    summary={f"final/{p}/{k}": v for p, s in summary.items() for k, v in s.items()},
+                    history=history,
+                    job_type="train-rl",
+                    tables={"eval/table": (columns, table_rows)},
+                    output_artifact=(
+                        "rl-policy",
+                        "policy",
+                        [str(artifact), str(artifact.with_suffix(".json"))],
+                    ),
                 )
-
-        def _on_step(self) -> bool:
-            if self.bar is not None:
-                self.bar.update(self.training_env.num_envs)
-            if model.num_timesteps >= self.next_ckpt:
-                self.next_ckpt += cfg.checkpoint_every
-                trainer.save_checkpoint(model.num_timesteps)
-            if model.num_timesteps >= self.next_eval:
-                self.next_eval += cfg.eval_every
-                trainer.run_eval(model.num_timesteps)
-            return True
-
-        def _on_rollout_end(self) -> None:
-            log = {f"train/{k.split('/')[-1]}": v for k, v in model.logger.name_to_value.items()}
-            infos = list(model.ep_info_buffer)
-            if infos:
-                log["rollout/ep_rew_mean"] = float(np.mean([e["r"] for e in infos]))
-                log["rollout/ep_len_mean"] = float(np.mean([e["l"] for e in infos]))
-            trainer.log(log, model.num_timesteps)
-
-        def _on_training_end(self) -> None:
-            if self.bar is not None:
-                self.bar.close()
-
-    return Hooks()
+            ],
+            wandb_dir=self.out,
+        )
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (or resume ``cfg.resume``) to ``cfg.total_steps``, evaluate, export.
+    """Train (or resume ``cfg.resume``) to ``cfg.total_steps``, validate, export.
 
-    The exported policy is the one with the best validation reward among the evaluations (validation
-    windows come from the training sessions; the held-out ones only report). Returns ``{"artifact",
-    "checkpoint", "summary", "steps", "selected_steps"}``: the exported policy (.npz; metadata in the
-    .json next to it), the final checkpoint, and the exported policy's held-out evaluation.
+    The exported policy is the one with the best mean validation reward among the evaluations (the
+    last one included). Returns ``{"artifact", "checkpoint", "summary", "steps", "selected_steps",
+    "steps_per_s"}``: the exported policy (.npz; metadata in the .json next to it), the final
+    checkpoint, the validation summary of the exported policy and the baselines, and env steps per
+    second of wall time over training (updates included, evaluations not).
     """
     import torch
 
     torch.set_num_threads(1)
     trainer = _Trainer(cfg)
-    model = trainer.model
+    ppo = trainer.ppo
+    start_steps = ppo.num_timesteps
+    if cfg.progress:
+        from tqdm import tqdm
+
+        trainer.bar = tqdm(total=cfg.total_steps, initial=start_steps, unit="step", desc="train-rl")
+    if cfg.resume is None:
+        trainer.run_eval(0)  # the untrained actor (the start rule) is a candidate too
     t0 = time.perf_counter()
-    remaining = max(0, cfg.total_steps - model.num_timesteps)
-    if remaining:
-        model.learn(remaining, callback=_callback(trainer), reset_num_timesteps=cfg.resume is None)
-    train_s = time.perf_counter() - t0
-    steps = int(model.num_timesteps)
+    try:
+        if ppo.num_timesteps < cfg.total_steps:
+            ppo.learn(cfg.total_steps, on_update=trainer.on_update)
+    finally:
+        if trainer.bar is not None:
+            trainer.bar.close()
+        trainer.venv.close()
+    train_s = time.perf_counter() - t0 - trainer.eval_s
+    steps = ppo.num_timesteps
     checkpoint = trainer.save_checkpoint(steps)
-    # the last in-training evaluation may have been at this very step (total_steps a multiple of eval_every)
-    last = trainer.last_eval
-    summary = last[1] if last is not None and last[0] == steps else trainer.run_eval(steps)
+    if not trainer.evals or trainer.evals[-1]["steps"] != steps:
+        trainer.run_eval(steps)
     assert trainer.best is not None
-    val_reward, selected_steps, weights = trainer.best
-    if selected_steps != steps:  # an earlier policy validated better: report the held-out figures of that one
-        summary = summarise(
-            trainer.baseline_rows
-            + evaluate(
-                trainer.eval_env,
-                trainer.windows,
-                {"rl": RLPolicy(trainer.predictor, weights, cfg.env.lease_shape)},
-            )
-        )
-    metadata = trainer.metadata(summary, train_s) | {
-        "selected_steps": selected_steps,
+    val_reward, selected, weights = trainer.best
+    chosen = next(ev for ev in trainer.evals if ev["steps"] == selected)
+    summary = chosen["summary"]
+    metadata = trainer.metadata(summary, train_s, steps) | {
+        "selected_steps": selected,
         "validation_reward": val_reward,
+        "steps_per_s": (steps - start_steps) / max(train_s, 1e-9),
     }
     artifact = trainer.export(weights, metadata)
-    trainer.finish(artifact, steps)
+    write_json(
+        trainer.out / "eval.json",
+        {"windows": [asdict(w) for w in trainer.windows], "evals": trainer.evals, "history": trainer.history},
+    )
+    if cfg.wandb:
+        trainer.log_wandb(artifact, summary)
     return {
         "artifact": str(artifact),
         "checkpoint": str(checkpoint),
         "summary": summary,
         "steps": steps,
-        "selected_steps": selected_steps,
+        "selected_steps": selected,
+        "steps_per_s": metadata["steps_per_s"],
     }
 
 
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
 __all__ = [
+    "BASELINES",
     "ConstantPredictor",
-    "LeaseShape",
     "TrainConfig",
-    "baseline_policies",
     "decision_statistics",
     "evaluate",
     "evaluate_artifact",
-    "export_weights",
     "load_predictor_spec",
     "summarise",
     "train",
