@@ -39,9 +39,12 @@ ARTIFACT_FORMAT_VERSION = 3
 MODEL_FILE = "model.txt"
 METADATA_FILE = "metadata.json"
 DATA_DIR = Path(__file__).resolve().parent / "data"
-DEFAULT_ITL_TARGET = "1.5x|25ms"
-"""ITL target of the shipped artifacts: a mixed step may take 1.5x the node's decode-only step, or
-25 ms (half of the default 50 ms TPOT SLO) when that is looser, and never more than the SLO."""
+DEFAULT_ITL_TARGET = "40ms"
+"""ITL target of the shipped artifacts: a mixed step may take 40 ms, the ITL budget the heuristic sizes
+its borrowed chunks to (``policies.slo.itl_budget_s``: 0.8 x the default 50 ms TPOT SLO; a test
+keeps the two equal). The earlier ``"1.5x|25ms"`` (1.5x the decode-only step, or 25 ms when looser)
+promised less than the heuristic enforces, so an accurate model of it lent too little: measured in
+docs/interference_model.md ("What the label's ITL target costs in use")."""
 
 
 class ArtifactError(ValueError):

@@ -17,7 +17,7 @@ DEFAULT_CONTROL_INTERVAL_S = 0.5
 DEFAULT_ITL_BUDGET_SHARE = 0.8
 """A lending decode node's ITL budget, as a share of the TPOT SLO: no iteration that mixes borrowed
 prefill into its decode batch may take longer than ``DEFAULT_ITL_BUDGET_SHARE x DEFAULT_TPOT_SLO_S``
-(15 ms at the default SLO). Every iteration is an inter-token gap of each request in the batch, so a
+(40 ms at the default SLO). Every iteration is an inter-token gap of each request in the batch, so a
 node whose mixed iterations stay inside the budget keeps its ITL p99 inside it too (unless its
 decode-only iterations alone exceed it, and then it does not lend). The share leaves the TPOT SLO's
 other 70 % to the decode-only iterations' own growth and to the cost estimate's error."""

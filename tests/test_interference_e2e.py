@@ -246,3 +246,16 @@ def test_the_simulator_reports_how_each_batch_drains() -> None:
     sim = Simulator(trace, cfg, scheduler=scheduler, cost_model=cm, session_rate_per_s=20.0, seed=1)
     sim.run()
     assert checked, "no control interval saw a batch of two or more"
+
+
+def test_shipped_label_promises_the_heuristics_itl_budget() -> None:
+    """The artifacts' per-step ITL target is the budget the heuristic sizes borrowed chunks to, and the
+    label's TPOT cap the SLO policies use: one fact, two packages (interference_model cannot import
+    policies)."""
+    from interference_model.labels import DEFAULT_TPOT_SLO_MS, ItlTarget
+    from policies.slo import DEFAULT_TPOT_SLO_S, itl_budget_s
+
+    target = ItlTarget.parse(DEFAULT_ITL_TARGET)
+    assert target.kind == "absolute_ms"
+    assert target.value / 1000.0 == pytest.approx(itl_budget_s(DEFAULT_TPOT_SLO_S))
+    assert DEFAULT_TPOT_SLO_MS / 1000.0 == pytest.approx(DEFAULT_TPOT_SLO_S)
