@@ -17,7 +17,7 @@ import contextlib
 import os
 import signal
 
-from train.model_args import add_model_arguments, model_from_args, model_options
+from train.model_args import add_model_arguments
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -95,27 +95,12 @@ async def _time_scale(urls: list[str]) -> float:
 def _run_router(args: argparse.Namespace) -> int:
     from serving.router import Router
     from serving.stack import router_config_for, start_lease_agents
-    from train.experiment import Point, default_tp
-    from train.serve_cli import _router_parts, describe_policy, served_policy
+    from train.serve_cli import _router_parts, describe_policy, served_point
 
     prefill, decode = _workers(args)
     if not 0 <= args.port <= 65535 or not 0 <= args.control_port <= 65535:
         raise ValueError("--port and --control-port must be port numbers")
-    model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
-    from train.cli import cluster_overrides
-
-    served = served_policy(args.policy)
-    point = Point(
-        policy=served.policy,
-        policy_params=served.point_params(),
-        model=args.model,
-        gpu=args.gpu,
-        tp=args.tp,
-        shape=f"{len(prefill)}P{len(decode)}D",
-        seed=args.seed,
-        cluster_overrides=cluster_overrides(args),
-        **model_options(args),
-    )
+    served, point = served_point(args, f"{len(prefill)}P{len(decode)}D")
     config, cost_model = point.cluster(), point.cost_model()
     parts = _router_parts(served, config, cost_model)
 

@@ -107,23 +107,8 @@ def _build(args: argparse.Namespace) -> Any:
     from envs.cluster_config import parse_shape
     from envs.live import LiveCluster
     from serving.pd_cluster import EmulatedCluster
-    from train.cli import cluster_overrides
-    from train.experiment import Point, default_tp
-
     parse_shape(args.emulate)
-    model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
-    served = served_policy(args.policy)
-    point = Point(
-        policy=served.policy,
-        policy_params=served.point_params(),
-        model=args.model,
-        gpu=args.gpu,
-        tp=args.tp,
-        shape=args.emulate,
-        seed=args.seed,
-        cluster_overrides=cluster_overrides(args),
-        **model_options(args),
-    )
+    served, point = served_point(args, args.emulate)
     config, cost_model = point.cluster(), point.cost_model()
     if args.router == "crossflow" and args.node_leases == "wire":
         from serving.node_leases import WireLeases
@@ -181,6 +166,29 @@ class ServedPolicy:
     def point_params(self) -> tuple[tuple[str, Any], ...]:
         """``Point.policy_params`` (empty: the tuned values)."""
         return tuple(sorted(self.params.items())) if self.params is not None else ()
+
+
+def served_point(args: argparse.Namespace, shape: str) -> tuple[ServedPolicy, Any]:
+    """The policy ``--policy`` names and the ``train.experiment.Point`` it is served at: the model,
+    hardware, seed and cluster flags of ``args`` on an ``shape`` cluster (``crossflow serve`` and
+    ``crossflow router`` alike)."""
+    from train.cli import cluster_overrides
+    from train.experiment import Point, default_tp
+
+    model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
+    served = served_policy(args.policy)
+    point = Point(
+        policy=served.policy,
+        policy_params=served.point_params(),
+        model=args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        shape=shape,
+        seed=args.seed,
+        cluster_overrides=cluster_overrides(args),
+        **model_options(args),
+    )
+    return served, point
 
 
 def served_policy(ref: str) -> ServedPolicy:
