@@ -44,6 +44,7 @@ from envs.request import Request, Trace
 from envs.sim_state import FALLBACK, DecodeWorker, PrefillWorker, ReqState
 from envs.simulator import SchedulerHooks, Simulator
 from envs.trace_formats import _prefix_fields, _PrefixIndex
+from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
 
@@ -356,17 +357,27 @@ class LiveCluster:
         published by an in-process scheduler's node policy."""
         return callable(getattr(self.sim.scheduler, "install_lease", None))
 
-    def install_lease(self, decode_worker: int, budgets: LeaseBudgets, ttl_s: float) -> list[int]:
-        """Install a lease sent to ``decode_worker`` over the wire (its ``/set_internal_state``) on a
-        scheduler that takes them (``serving.node_leases.WireLeases``); the node's token bucket
-        follows at once. Returns the reservations it revoked. ``ValueError`` when the nodes' leases
-        come from an in-process node policy."""
+    def install_lease(
+        self,
+        decode_worker: int,
+        budgets: LeaseBudgets,
+        ttl_s: float,
+        *,
+        chunk_limits: ChunkLimits | None = None,
+    ) -> list[int]:
+        """Install a lease sent to ``decode_worker`` over the wire (its ``/set_internal_state``), with
+        its per-iteration cap on borrowed prefill (``chunk_limits``), on a scheduler that takes them
+        (``serving.node_leases.WireLeases``); the node's token bucket follows at once. Returns the
+        reservations it revoked. ``ValueError`` when the nodes' leases come from an in-process node
+        policy."""
         if not self.takes_wire_leases():
             raise ValueError("this cluster's decode nodes take their leases from an in-process scheduler")
         self._advance()
         now = self.sim.now_s
         scheduler: Any = self.sim.scheduler
-        revoked: list[int] = scheduler.install_lease(decode_worker, budgets, ttl_s, now)
+        revoked: list[int] = scheduler.install_lease(
+            decode_worker, budgets, ttl_s, now, chunk_limits=chunk_limits
+        )
         rate, expires_s = scheduler.lease_rate(decode_worker)
         self.sim.decode[decode_worker].bucket.set_lease(now, rate, expires_s)
         self._kick()

@@ -83,6 +83,7 @@ from policies.admission import (
     min_borrowed_chunk_tokens,
     prealloc_fits,
 )
+from policies.chunk_limits import capped_chunk_tokens
 from policies.node_state import NodeState
 from policies.routing import OverloadProtection, RoutingPolicy, WorkerPool, make_routing_policy
 
@@ -931,8 +932,8 @@ class Simulator:
         cfg = self.config
         limit = self.scheduler.borrowed_chunk_tokens(w.idx, batch, ctx)
         max_chunk = cfg.prefill_chunk_tokens
-        if limit is not None:  # the policy's chunk within its ITL budget; started work still progresses
-            max_chunk = max(self._min_chunk_tokens(w), min(limit, max_chunk))
+        # the policy's chunk within its ITL budget; started work still progresses
+        max_chunk = capped_chunk_tokens(limit, max_chunk, self._min_chunk_tokens(w))
         budget = borrowed_chunk_tokens(
             min(w.bucket.available_tokens(self.now_s), max_chunk),
             self._borrowed_remaining(w),

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from policies.chunk_limits import ChunkLimits, capped_chunk_tokens
 from policies.lease import BUDGET_FIELDS, Lease, LeaseBudgets
 from policies.ledger import LeaseLedger
 from policies.slo import DEFAULT_CONTROL_INTERVAL_S
@@ -247,21 +248,34 @@ class LocalPrefillAdmission:
     interval)."""
     ledger: LeaseLedger = field(default_factory=LeaseLedger)
     bucket: LeaseTokenBucket = field(init=False)
+    chunk_limits: ChunkLimits | None = field(default=None, init=False)
+    """The per-iteration cap the lease's policy set (``install_lease``); ``None``: the bucket alone
+    paces borrowed prefill."""
 
     def __post_init__(self) -> None:
         self.bucket = LeaseTokenBucket(burst_s=self.burst_s)
 
     # ---- the lease ----------------------------------------------------------------------------
-    def install_lease(self, budgets: LeaseBudgets, ttl_s: float, now_s: float) -> list[int]:
-        """Make ``budgets`` the node's lease for ``[now_s, now_s + ttl_s)``; returns the un-started
-        reservations revoked because they no longer fit (in id order)."""
+    def install_lease(
+        self,
+        budgets: LeaseBudgets,
+        ttl_s: float,
+        now_s: float,
+        *,
+        chunk_limits: ChunkLimits | None = None,
+    ) -> list[int]:
+        """Make ``budgets`` the node's lease for ``[now_s, now_s + ttl_s)``, and ``chunk_limits`` the
+        cap on each borrowed iteration (``None``: none); returns the un-started reservations revoked
+        because they no longer fit (in id order)."""
+        self.chunk_limits = chunk_limits
         before = set(self.ledger.pending_ids(self.node_id))
         lease = self.ledger.publish(self.node_id, budgets, now_s, ttl_s)
         self.bucket.set_lease(now_s, budgets.prefill_tokens / ttl_s, lease.expires_s)
         return sorted(before - set(self.ledger.pending_ids(self.node_id)))
 
     def revoke(self, now_s: float) -> list[int]:
-        """Shrink the lease to zero now (decode pressure); returns the un-started reservations revoked."""
+        """Shrink the lease to zero now (decode pressure); returns the un-started reservations revoked.
+        The chunk limits stay: started work keeps the cap it had."""
         revoked = self.ledger.revoke(self.node_id, now_s)
         lease = self.ledger.lease(self.node_id)
         self.bucket.set_lease(now_s, 0.0, now_s if lease is None else lease.expires_s)
@@ -340,14 +354,33 @@ class LocalPrefillAdmission:
 
     # ---- pacing -------------------------------------------------------------------------------
     def chunk_tokens(
-        self, remaining_tokens: int, max_chunk_tokens: int, page_tokens: int, now_s: float
+        self,
+        remaining_tokens: int,
+        max_chunk_tokens: int,
+        page_tokens: int,
+        now_s: float,
+        *,
+        decode_batch: int = 0,
+        decode_context_tokens: int = 0,
     ) -> int:
-        """Borrowed prefill tokens the next iteration may compute (``borrowed_chunk_tokens`` over the
-        bucket's credit, at most ``max_chunk_tokens``); 0 means wait for credit."""
+        """Borrowed prefill tokens the next iteration may compute beside a running batch of
+        ``decode_batch`` requests (``decode_context_tokens`` of KV in all): ``borrowed_chunk_tokens``
+        over the bucket's credit, at most ``max_chunk_tokens`` and the lease's ``chunk_limits`` for
+        that batch (``capped_chunk_tokens``, as the simulator caps it); 0 means wait for credit."""
+        min_chunk = min_borrowed_chunk_tokens(self.bucket, page_tokens)
+        if self.chunk_limits is not None:
+            limit = self.chunk_limits.limit(decode_batch, decode_context_tokens)
+            max_chunk_tokens = capped_chunk_tokens(limit, max_chunk_tokens, min_chunk)
         return borrowed_chunk_tokens(
-            min(self.bucket.available_tokens(now_s), max_chunk_tokens),
-            remaining_tokens,
-            min_borrowed_chunk_tokens(self.bucket, page_tokens),
+            min(self.bucket.available_tokens(now_s), max_chunk_tokens), remaining_tokens, min_chunk
+        )
+
+    def chunk_limit(self, decode_batch: int, decode_context_tokens: int) -> int | None:
+        """The lease's cap for that running batch (``None``: no cap)."""
+        return (
+            None
+            if self.chunk_limits is None
+            else self.chunk_limits.limit(decode_batch, decode_context_tokens)
         )
 
     def spend(self, tokens: int, now_s: float) -> None:

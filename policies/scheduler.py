@@ -30,6 +30,7 @@ from dataclasses import fields, replace
 from operator import attrgetter
 from typing import Any, Literal
 
+from policies.chunk_limits import ChunkLimits
 from policies.context import CostEstimator
 from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
@@ -124,6 +125,7 @@ class ClusterScheduler:
         """Per node, the share of its prefill headroom currently lent (the SLO guard's control
         variable; 1 when absent)."""
         self._chunk_tokens: dict[tuple[int, int, int], int | None] = {}
+        self._chunk_limits: dict[tuple[int, int, int], ChunkLimits | None] = {}
         """``(node, batch, context bucket) -> chunk``: the node policies' borrowed chunk sizes asked so
         far (a pure function of those, so remembered)."""
         self.itl_inflation = 1.0
@@ -303,6 +305,22 @@ class ClusterScheduler:
             if key not in self._chunk_tokens:
                 self._chunk_tokens[key] = chunk_fn(decode_batch, bucket * per_request)
             return self._chunk_tokens[key]
+
+    def chunk_limits(self, node_id: int, max_batch: int, max_context_tokens: int) -> ChunkLimits | None:
+        """The node policy's per-iteration cap tabulated for a node that holds no policy (an SGLang
+        worker running the plugin gets it with its lease): ``ChunkLimits.build`` over decode batches up
+        to ``max_batch`` and context up to ``max_context_tokens`` (the node's ``max_running_requests``
+        and ``kv_capacity_tokens``); ``None`` when the policy sets no limit. Built once per node and
+        range."""
+        policy = self.policy_for(node_id)
+        chunk_fn = getattr(policy, "borrowed_chunk_tokens", None)
+        if chunk_fn is None:
+            return None
+        key = (node_id, max(1, max_batch), max(0, max_context_tokens))
+        with self._lock:
+            if key not in self._chunk_limits:
+                self._chunk_limits[key] = ChunkLimits.build(chunk_fn, key[1], key[2])
+            return self._chunk_limits[key]
 
     def local_chunk_tokens(self, node_id: int) -> int:
         """Prefill tokens of unleased (``local``) requests one iteration of ``node_id`` may mix in."""

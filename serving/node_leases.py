@@ -10,10 +10,11 @@ simulator (``envs.live.LiveCluster(scheduler=WireLeases(n))``): the emulated dec
 
 So the node's re-check is policy-independent: whichever policy the router serves, and after a policy
 reload on its control plane, the node admits against the lease it was last sent, exactly what the
-plugin does. What a node policy decides on the node in the in-process simulator (a cap on each
-iteration's borrowed chunk from its ITL budget, a pause on arrival under decode pressure) reaches a
-wire-fed node only through its lease: decode pressure as a zero lease at the router's next control
-interval, chunks as the lease's compute rate through the token bucket.
+plugin does. What a node policy decides on the node in the in-process simulator reaches a wire-fed
+node through its lease: the cap on each iteration's borrowed chunk from its ITL budget as the lease's
+``ChunkLimits`` (the policy's answer tabulated by running batch, looked up before every borrowed
+iteration), decode pressure as a zero lease at the router's next control interval (the in-process
+pause on arrival has no wire counterpart).
 
 Hooks the simulator calls (``envs.simulator.SchedulerHooks``):
 
@@ -21,8 +22,9 @@ Hooks the simulator calls (``envs.simulator.SchedulerHooks``):
   the last interval (and those whose lease expired), which the simulator falls back;
 * ``on_task_arrival``: ``run`` while the reservation is spendable, else ``fallback``;
 * start, prefill done, finish, fallback: the reservation's life in the node's ledger;
-* ``borrowed_chunk_tokens``: ``None`` (the token bucket alone paces borrowed prefill, as the plugin's
-  ``LocalPrefillAdmission.chunk_tokens``); ``choose_path`` is never called (requests arrive placed).
+* ``borrowed_chunk_tokens``: the installed lease's ``ChunkLimits`` for the running batch (``None``
+  without one), as the plugin's ``LocalPrefillAdmission.chunk_tokens`` caps it; ``choose_path`` is
+  never called (requests arrive placed).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from policies.admission import LocalPrefillAdmission
+from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
 from policies.node_state import NodeState
@@ -61,11 +64,23 @@ class WireLeases:
         return self.nodes[node_id]
 
     # ---- the lease ------------------------------------------------------------------------------
-    def install_lease(self, node_id: int, budgets: LeaseBudgets, ttl_s: float, now_s: float) -> list[int]:
-        """Install a pushed lease on ``node_id`` (all zero revokes); the un-started reservations it
+    def install_lease(
+        self,
+        node_id: int,
+        budgets: LeaseBudgets,
+        ttl_s: float,
+        now_s: float,
+        *,
+        chunk_limits: ChunkLimits | None = None,
+    ) -> list[int]:
+        """Install a pushed lease on ``node_id`` (all zero revokes) with its per-iteration cap on
+        borrowed prefill (``chunk_limits``, as the plugin installs it); the un-started reservations it
         revoked (they fall back at the next control interval, or when they would start)."""
         node = self._node(node_id)
-        revoked = node.revoke(now_s) if budgets.is_zero() else node.install_lease(budgets, ttl_s, now_s)
+        if budgets.is_zero():
+            revoked = node.revoke(now_s)
+        else:
+            revoked = node.install_lease(budgets, ttl_s, now_s, chunk_limits=chunk_limits)
         self.installs[node_id] += 1
         self._revoked.extend(revoked)
         return revoked
@@ -113,7 +128,7 @@ class WireLeases:
     def borrowed_chunk_tokens(
         self, node_id: int, decode_batch: int, decode_context_tokens: int
     ) -> int | None:
-        return None
+        return self._node(node_id).chunk_limit(decode_batch, decode_context_tokens)
 
     def local_chunk_tokens(self, node_id: int) -> int:
         return 0

@@ -610,10 +610,12 @@ class PDWorker:
                 "worker, or a cluster whose decode nodes run their own scheduler)"
             )  # fmt: skip
         try:
-            budgets, ttl_s = parse_lease_update(args)
+            update = parse_lease_update(args)
         except ValueError as exc:
             raise HttpError(400, f"field 'server_args': {exc}") from None
-        self.cluster.live.install_lease(self.idx, budgets, ttl_s)
+        self.cluster.live.install_lease(
+            self.idx, update.budgets, update.ttl_s, chunk_limits=update.chunk_limits
+        )
         return [True]  # SGLang's answer: one boolean per data-parallel rank
 
     # ---------------------------------------------------------------- reports

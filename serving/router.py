@@ -67,6 +67,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from envs.live import PrefixResolver
+from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
 from policies.path import PathDecision, PathQuery
@@ -705,37 +706,64 @@ class Router:
             for rid in revoked or ():
                 with contextlib.suppress(KeyError):
                     self.m_revocations.inc(self._reservation_nodes.pop((generation, rid)))
-            self._push_leases(scheduler.ledger, now, generation)
+            self._push_leases(scheduler, now, generation)
 
     # ---------------------------------------------------------------- leases over the wire
-    def _push_leases(self, ledger: Any, now_s: float, generation: int) -> None:
+    def _push_leases(self, scheduler: Any, now_s: float, generation: int) -> None:
         """Send each lease-taking node the lease just published for it, when it changed (a new
         budget, expiry or policy): ``POST /set_internal_state`` with ``wire.lease_update_body``, the
-        time it has left as its TTL, so the worker's own re-check admits against the router's lease.
+        time it has left as its TTL, so the worker's own re-check admits against the router's lease,
+        and the node policy's cap on each borrowed iteration (``ClusterScheduler.chunk_limits`` over
+        the range the node's last report gives: its running-batch limit and KV capacity).
         An expired lease is not sent (the worker's copy lapses at the same TTL); a zero one is (a
         revocation). One push per node at a time; one that fails is sent again at the next interval."""
         for j in sorted(self._lease_takers - self._pushing):
-            lease = ledger.lease(j)
+            lease = scheduler.ledger.lease(j)
             if lease is None or (not lease.budgets.is_zero() and not lease.is_live(now_s)):
                 continue
             key = (generation, lease.budgets.as_tuple(), lease.expires_s)
             if self._pushed.get(j) != key:
                 ttl_s = lease.ttl_s if lease.budgets.is_zero() else lease.expires_s - now_s
-                self._start_push(j, lease.budgets, ttl_s, key)
+                self._start_push(j, lease.budgets, ttl_s, key, self._chunk_limits(scheduler, j))
 
-    def _start_push(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
+    def _chunk_limits(self, scheduler: Any, node: int) -> ChunkLimits | None:
+        """The node policy's per-iteration cap for ``node``, tabulated over its last reported range."""
+        report = self._reports.get(node)
+        if report is None or not callable(getattr(scheduler, "chunk_limits", None)):
+            return None
+        state = report[0]
+        limits: ChunkLimits | None = scheduler.chunk_limits(
+            node, state.max_running_requests, state.kv_capacity_tokens
+        )
+        return limits
+
+    def _start_push(
+        self,
+        node: int,
+        budgets: LeaseBudgets,
+        ttl_s: float,
+        key: tuple[Any, ...],
+        chunk_limits: ChunkLimits | None = None,
+    ) -> None:
         self._pushing.add(node)
-        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key))
+        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key, chunk_limits))
         self._push_tasks.add(task)
         task.add_done_callback(self._push_tasks.discard)
 
-    async def _push_lease(self, node: int, budgets: LeaseBudgets, ttl_s: float, key: tuple[Any, ...]) -> None:
+    async def _push_lease(
+        self,
+        node: int,
+        budgets: LeaseBudgets,
+        ttl_s: float,
+        key: tuple[Any, ...],
+        chunk_limits: ChunkLimits | None,
+    ) -> None:
         assert self.upstream is not None
         ok = False
         try:
             status, answer = await self.upstream.post_json(
                 self.decode[node].url + "/set_internal_state",
-                lease_update_body(budgets, ttl_s),
+                lease_update_body(budgets, ttl_s, chunk_limits),
                 timeout_s=5.0,
             )
             ok = status == 200 and lease_update_accepted(_json_or_none(answer))

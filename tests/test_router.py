@@ -685,6 +685,39 @@ def test_a_policy_reload_reaches_the_nodes_through_their_next_leases() -> None:
         assert router.scheduler is not None
         ledger = router.scheduler.ledger
         assert _wait(lambda: all(nodes.ledger.lease(j).budgets == ledger.lease(j).budgets for j in (0, 1)))
+        assert all(node.chunk_limits is None for node in nodes.nodes), "utilisation sets no chunk cap"
+
+
+def test_a_wire_lease_carries_the_node_policys_chunk_cap_and_the_node_sizes_chunks_by_it() -> None:
+    """The heuristic caps each borrowed iteration from its ITL budget; a node holding no policy gets
+    that cap with its lease (``ClusterScheduler.chunk_limits`` over the node's reported range) and
+    sizes its chunks by it: never above what the policy answers in process for the same batch."""
+    from serving.node_leases import WireLeases
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2, control_interval_s=0.1)
+    nodes = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    scheduler = build_scheduler("heuristic", config, cm)
+    with (
+        _stack(
+            config,
+            scale=1.0,
+            worker_scheduler=nodes,
+            scheduler=scheduler,
+            estimator=ClusterEstimator(config, cm),
+        ) as (_, cluster, stack),
+    ):
+        assert _wait(lambda: all(node.chunk_limits is not None for node in nodes.nodes)), "caps pushed"
+        state = cluster.live.node_state(0)
+        table = scheduler.chunk_limits(0, state.max_running_requests, state.kv_capacity_tokens)
+        assert table is not None and nodes.nodes[0].chunk_limits == table
+        assert table.batch_sizes[-1] == config.max_running_requests
+        policy = scheduler.policy_for(0)
+        for batch, context in [(1, 3_000), (16, 200_000), (40, 150_000), (120, 900_000)]:
+            wire_chunk = nodes.borrowed_chunk_tokens(0, batch, context)
+            assert wire_chunk is not None and wire_chunk <= policy.borrowed_chunk_tokens(batch, context)
+        assert nodes.borrowed_chunk_tokens(0, 16, 200_000) < config.prefill_chunk_tokens, "a real cap"
+        assert stack.router.scheduler is scheduler
 
 
 @pytest.mark.slow

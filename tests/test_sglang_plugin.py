@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from serving.sglang_plugin import hooks, local_prefill, wire
 from serving.sglang_plugin import lookalike as sg
@@ -53,12 +54,17 @@ def _worker(**kwargs: object) -> tuple[sg.Scheduler, sg.Cluster]:
     return scheduler, cluster
 
 
-def _lease(scheduler: sg.Scheduler, budgets: LeaseBudgets | None = None, ttl_s: float = 1.0) -> bool:
+def _lease(
+    scheduler: sg.Scheduler,
+    budgets: LeaseBudgets | None = None,
+    ttl_s: float = 1.0,
+    chunk_limits: ChunkLimits | None = None,
+) -> bool:
     """Install a lease through ``/set_internal_state``'s hook (default: ``LEASE``, its prefill budget
     scaled to 20_000 tokens/s over ``ttl_s``)."""
     if budgets is None:
         budgets = replace(LEASE, prefill_tokens=int(20_000 * ttl_s))
-    body = wire.lease_update_body(budgets, ttl_s)
+    body = wire.lease_update_body(budgets, ttl_s, chunk_limits)
     return scheduler.set_internal_state(sg.SetInternalStateReq(**body)).updated
 
 
@@ -195,6 +201,10 @@ def test_bad_lease_updates_are_refused_and_other_settings_left_to_sglang(install
     assert not scheduler.set_internal_state(
         sg.SetInternalStateReq({**args, "pp_max_micro_batch_size": 8})
     ).updated
+    bad_table = {"batch_sizes": [2, 1], "context_tokens": [0], "chunk_tokens": [[1], [1]]}
+    assert not scheduler.set_internal_state(
+        sg.SetInternalStateReq({**args, wire.LEASE_CHUNK_LIMITS_KEY: bad_table})
+    ).updated
     missing = {k: v for k, v in args.items() if k != wire.LEASE_TTL_KEY}
     assert not scheduler.set_internal_state(sg.SetInternalStateReq(missing)).updated
     node = scheduler.__dict__.get(NODE_ATTRIBUTE)
@@ -274,6 +284,39 @@ def test_the_token_bucket_bounds_local_prefill_per_step(installed: sg.HookRegist
     assert sum(cluster.extend_tokens) == 3_700 and len(cluster.extend_tokens) >= 3, "paid in chunks"
     assert all(len(r.output_ids) == 5 for r in prompts)
     assert scheduler.allocator.used == 0 and scheduler.retracted == 0
+
+
+@pytest.mark.parametrize("with_limits", [False, True], ids=["bucket-only", "lease-chunk-limits"])
+def test_the_lease_caps_each_local_prefill_step_by_the_running_batch(
+    installed: sg.HookRegistry, with_limits: bool
+) -> None:
+    """The node policy's cap travels with the lease (``wire.LEASE_CHUNK_LIMITS_KEY``) and sizes every
+    EXTEND step for the running batch at that step, as the simulator sizes its borrowed chunks."""
+    scheduler, cluster = _worker(kv_tokens=40_000, chunked_prefill_size=4_096)
+    limits = ChunkLimits((1, 2, 8), (0, 10**6), ((1_024, 1_024), (384, 384), (128, 128)))
+    assert _lease(scheduler, ttl_s=4.0, chunk_limits=limits if with_limits else None)
+    node = _node(scheduler)
+    assert node.admission.chunk_limits == (limits if with_limits else None)
+    arrivals = [(0, _req("p1", 200, 400, borrowed=False)), (0, _req("p2", 300, 400, borrowed=False))]
+    prompt = _req("b1", 3_000, 5, borrowed=True)
+    cluster.run(20, arrivals)
+    assert len(scheduler.running_batch.reqs) == 2
+    scheduler._add_request_to_queue(prompt)
+    batches: list[int] = []
+    while not prompt.finished() and len(batches) < 400:
+        running = len(scheduler.running_batch.reqs)
+        before = len(cluster.extend_tokens)
+        cluster.step()
+        if len(cluster.extend_tokens) > before:
+            batches.append(running)
+    steps = cluster.extend_tokens[-len(batches) :]
+    assert prompt.finished() and len(prompt.output_ids) == 5
+    assert sum(steps) == 3_000 and set(batches) == {2}
+    if with_limits:
+        assert max(steps) == 384 and len(steps) == 8, "the row of a batch of two"
+    else:
+        assert max(steps) > 384, "the token bucket alone takes bigger steps"
+    assert scheduler.retracted == 0
 
 
 def test_a_started_prompt_whose_lease_lapses_is_aborted_with_503(installed: sg.HookRegistry) -> None:

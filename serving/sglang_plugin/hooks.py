@@ -138,11 +138,11 @@ def set_internal_state(original: Callable[..., Any], scheduler: Any, recv_req: A
         logger.warning("crossflow lease update ignored: this worker is not in decode mode")
         return api_output(False)
     try:
-        budgets, ttl_s = parse_lease_update(recv_req.server_args)
+        update = parse_lease_update(recv_req.server_args)
     except ValueError as exc:
         logger.warning("crossflow lease update refused: %s", exc)
         return api_output(False)
-    _node(scheduler).install_lease(budgets, ttl_s)
+    _node(scheduler).install_lease(update.budgets, update.ttl_s, chunk_limits=update.chunk_limits)
     return api_output(True)
 
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from interference_model.columns import drain_features
 from policies.admission import LocalPrefillAdmission, borrowed_start_blocked, prealloc_fits
+from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
 from serving.sglang_plugin.config import PluginConfig
@@ -189,14 +190,17 @@ class LocalPrefill:
         return None
 
     # ------------------------------------------------------------------ the lease
-    def install_lease(self, budgets: LeaseBudgets, ttl_s: float) -> list[int]:
-        """Install the node's lease (all zero revokes it); queued requests that no longer fit are
-        aborted with 503 now. Returns the revoked reservation ids."""
+    def install_lease(
+        self, budgets: LeaseBudgets, ttl_s: float, *, chunk_limits: ChunkLimits | None = None
+    ) -> list[int]:
+        """Install the node's lease (all zero revokes it) and its per-iteration cap on borrowed
+        prefill (``chunk_limits``; a revocation keeps the cap it had); queued requests that no longer
+        fit are aborted with 503 now. Returns the revoked reservation ids."""
         now_s = self._now_s()
         if budgets.is_zero():
             revoked = self.admission.revoke(now_s)
         else:
-            revoked = self.admission.install_lease(budgets, ttl_s, now_s)
+            revoked = self.admission.install_lease(budgets, ttl_s, now_s, chunk_limits=chunk_limits)
         self._count("leases")  # the gauges follow at the next iteration
         self._drop_lapsed(now_s)
         return revoked
@@ -348,7 +352,15 @@ class LocalPrefill:
         if remaining <= 0:
             return 0, []
         max_chunk = scheduler.chunked_prefill_size or scheduler.max_prefill_tokens
-        tokens = self.admission.chunk_tokens(remaining, max_chunk, scheduler.page_size, now_s)
+        reqs = running_batch.reqs
+        tokens = self.admission.chunk_tokens(
+            remaining,
+            max_chunk,
+            scheduler.page_size,
+            now_s,
+            decode_batch=len(reqs),
+            decode_context_tokens=sum(len(req.origin_input_ids) + len(req.output_ids) for req in reqs),
+        )
         return tokens, candidates
 
     def _inflight(self) -> tuple[int, int]:

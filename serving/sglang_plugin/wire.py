@@ -10,7 +10,10 @@ Three things, all through SGLang 0.5.23's own HTTP server (no extra port, SGLang
   untouched and means nothing else unless the routing-key schedule policy is on; the scheduler side
   takes it off again (:func:`unmark_routing_key`) before anything else reads the key.
 * **The lease.** ``POST /set_internal_state`` with :func:`lease_update_body`: numeric keys
-  ``crossflow_lease_<budget>`` for the five budgets and ``crossflow_lease_ttl_s``. SGLang broadcasts a
+  ``crossflow_lease_<budget>`` for the five budgets and ``crossflow_lease_ttl_s``, and optionally
+  ``crossflow_lease_chunk_limits``: the lease policy's cap on each borrowed iteration by running batch
+  (``policies.chunk_limits.ChunkLimits.to_dict``; absent: the token bucket alone paces borrowed
+  prefill). SGLang broadcasts a
   control request to every scheduler rank at the same point of its request stream, so all tensor
   parallel ranks install the lease at the same iteration and keep deciding alike. All budgets zero
   revokes the lease.
@@ -24,8 +27,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
+from policies.chunk_limits import ChunkLimits
 from policies.lease import BUDGET_FIELDS, LeaseBudgets
 from policies.node_state import NodeState
 
@@ -39,6 +43,8 @@ LEASE_KEY_PREFIX = "crossflow_lease_"
 LEASE_TTL_KEY = f"{LEASE_KEY_PREFIX}ttl_s"
 LEASE_KEYS: tuple[str, ...] = (*(f"{LEASE_KEY_PREFIX}{name}" for name in BUDGET_FIELDS), LEASE_TTL_KEY)
 """The ``server_args`` keys of a lease update, all required."""
+LEASE_CHUNK_LIMITS_KEY = f"{LEASE_KEY_PREFIX}chunk_limits"
+"""The optional key of a lease update that carries its ``ChunkLimits``."""
 
 INTERNAL_STATE_KEY = "crossflow"
 """The key the plugin adds to each scheduler's internal state (``/server_info``'s ``internal_states``)."""
@@ -97,12 +103,26 @@ def _is_batch(body: Mapping[str, Any]) -> bool:
     return False
 
 
-def lease_update_body(budgets: LeaseBudgets, ttl_s: float) -> dict[str, dict[str, int | float]]:
-    """The ``/set_internal_state`` body that installs ``budgets`` as the worker's lease for ``ttl_s``."""
+class LeaseUpdate(NamedTuple):
+    """A lease update as :func:`parse_lease_update` reads it."""
+
+    budgets: LeaseBudgets
+    ttl_s: float
+    chunk_limits: ChunkLimits | None
+    """The per-iteration cap on borrowed prefill (``None``: none sent)."""
+
+
+def lease_update_body(
+    budgets: LeaseBudgets, ttl_s: float, chunk_limits: ChunkLimits | None = None
+) -> dict[str, dict[str, Any]]:
+    """The ``/set_internal_state`` body that installs ``budgets`` as the worker's lease for ``ttl_s``,
+    with ``chunk_limits`` as its cap on each borrowed iteration (omitted when ``None``)."""
     if not (ttl_s > 0 and math.isfinite(ttl_s)):
         raise ValueError(f"lease ttl_s must be positive and finite, got {ttl_s!r}")
-    args: dict[str, int | float] = {f"{LEASE_KEY_PREFIX}{k}": v for k, v in budgets.to_dict().items()}
+    args: dict[str, Any] = {f"{LEASE_KEY_PREFIX}{k}": v for k, v in budgets.to_dict().items()}
     args[LEASE_TTL_KEY] = float(ttl_s)
+    if chunk_limits is not None:
+        args[LEASE_CHUNK_LIMITS_KEY] = chunk_limits.to_dict()
     return {"server_args": args}
 
 
@@ -111,12 +131,13 @@ def is_lease_update(server_args: Mapping[str, Any]) -> bool:
     return any(str(k).startswith(LEASE_KEY_PREFIX) for k in server_args)
 
 
-def parse_lease_update(server_args: Mapping[str, Any]) -> tuple[LeaseBudgets, float]:
-    """``(budgets, ttl_s)`` from a lease update; ``ValueError`` naming the keys that are missing,
-    unknown or mixed with other settings, or the budget that is not a non-negative integer."""
+def parse_lease_update(server_args: Mapping[str, Any]) -> LeaseUpdate:
+    """The lease update in ``server_args``; ``ValueError`` naming the keys that are missing, unknown
+    or mixed with other settings, the budget that is not a non-negative integer, or what is wrong in
+    the chunk limits."""
     keys = set(server_args)
     missing = [k for k in LEASE_KEYS if k not in keys]
-    extra = sorted(k for k in keys if k not in LEASE_KEYS)
+    extra = sorted(k for k in keys if k not in LEASE_KEYS and k != LEASE_CHUNK_LIMITS_KEY)
     if extra:
         raise ValueError(
             f"lease update: unexpected key(s) {extra}; send the lease keys {list(LEASE_KEYS)} alone"
@@ -132,7 +153,13 @@ def parse_lease_update(server_args: Mapping[str, Any]) -> tuple[LeaseBudgets, fl
         raise ValueError(f"lease update: {LEASE_TTL_KEY} must be a positive number, got {ttl_s!r}")
     values = {name: server_args[f"{LEASE_KEY_PREFIX}{name}"] for name in BUDGET_FIELDS}
     budgets = LeaseBudgets.from_dict(values, source="lease update")
-    return budgets, float(ttl_s)
+    limits = server_args.get(LEASE_CHUNK_LIMITS_KEY)
+    chunk_limits = (
+        None
+        if limits is None
+        else ChunkLimits.from_dict(limits, source=f"lease update: {LEASE_CHUNK_LIMITS_KEY}")
+    )
+    return LeaseUpdate(budgets, float(ttl_s), chunk_limits)
 
 
 def takes_lease_updates(server_info: Mapping[str, Any]) -> bool:
@@ -176,11 +203,13 @@ def node_states_from_server_info(server_info: Mapping[str, Any]) -> list[NodeSta
 
 __all__ = [
     "INTERNAL_STATE_KEY",
+    "LEASE_CHUNK_LIMITS_KEY",
     "LEASE_KEYS",
     "LEASE_KEY_PREFIX",
     "LEASE_TTL_KEY",
     "MARKER_FIELD",
     "ROUTING_KEY_MARK",
+    "LeaseUpdate",
     "is_lease_update",
     "lease_update_accepted",
     "lease_update_body",
