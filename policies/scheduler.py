@@ -127,6 +127,9 @@ class ClusterScheduler:
                     f"{control_interval_s}; leases would lapse between intervals"
                 )
         self._policy = policy
+        self._policy_by_node: Mapping[int, NodePolicy] = policy if isinstance(policy, Mapping) else {}
+        self._single_policy: NodePolicy | None = None if isinstance(policy, Mapping) else policy
+        """The policy of every node, or None with per-node policies (told apart once, not per call)."""
         self.ledger = ledger
         self.cost = cost
         self.control_interval_s = control_interval_s
@@ -155,12 +158,12 @@ class ClusterScheduler:
         """Un-started reservations whose task has reached its node (so ``NodeState`` counts them)."""
 
     def policy_for(self, node_id: int) -> NodePolicy:
-        if isinstance(self._policy, Mapping):
-            try:
-                return self._policy[node_id]
-            except KeyError:
-                raise KeyError(f"no node policy configured for node {node_id}") from None
-        return self._policy
+        if self._single_policy is not None:
+            return self._single_policy
+        try:
+            return self._policy_by_node[node_id]
+        except KeyError:
+            raise KeyError(f"no node policy configured for node {node_id}") from None
 
     # ---- control loop -------------------------------------------------------------------------------
     def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> list[int]:
