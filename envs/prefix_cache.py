@@ -161,41 +161,46 @@ class PrefixCache:
 
     def match_tokens(self, request_id: int, *, touch: bool = False) -> int:
         """Leading input tokens of the request already cached here."""
+        cached_end_of, first_of = self._cached_end, self._first
         matched = 0
         hit: list[int] = []
         for origin, first, end in self.index.segments(request_id):
-            cached_end = self._cached_end.get(origin)
-            if cached_end is None or self._first[origin] > first:
+            cached_end = cached_end_of.get(origin)
+            if cached_end is None or first_of[origin] > first:
                 break
-            upto = min(cached_end, end)
+            upto = cached_end if cached_end < end else end
             matched += upto - first
             hit.append(origin)
             if upto < end:
                 break
-        if touch:
+        if touch and hit:
+            move = cached_end_of.move_to_end
             for origin in reversed(hit):
-                self._cached_end.move_to_end(origin)
+                move(origin)
         return matched * self.index.page_tokens
 
     def insert(self, request_id: int) -> None:
         """Cache all of the request's input pages (after its prefill), evicting LRU runs as needed."""
         segs = self.index.segments(request_id)
+        cached_end_of, holders = self._cached_end, self._holders
         for origin, first, end in segs:
-            cached_end = self._cached_end.get(origin)
+            cached_end = cached_end_of.get(origin)
             if cached_end is None:
-                self._cached_end[origin] = end
+                cached_end_of[origin] = end
                 self._first[origin] = first
                 self.used_pages += end - first
-                if self._holders is not None:
-                    self._holders.add(origin, self._owner, end)
+                if holders is not None:
+                    holders.add(origin, self._owner, end)
             elif end > cached_end:
-                self._cached_end[origin] = end
+                cached_end_of[origin] = end
                 self.used_pages += end - cached_end
-                if self._holders is not None:
-                    self._holders.extend(origin, cached_end, end)
+                if holders is not None:
+                    holders.extend(origin, cached_end, end)
+        move = cached_end_of.move_to_end
         for origin, _, _ in reversed(segs):
-            self._cached_end.move_to_end(origin)
-        self.evict_to(self.capacity_pages, keep=segs[0][0] if segs else -1)
+            move(origin)
+        if self.used_pages > self.capacity_pages:
+            self.evict_to(self.capacity_pages, keep=segs[0][0] if segs else -1)
 
     def evict_to(self, capacity_pages: int, keep: int = -1) -> None:
         """Evict least recently used runs until at most ``capacity_pages`` are held.

@@ -1235,26 +1235,22 @@ class Simulator:
     def _node_state(self, w: DecodeWorker, waiting: dict[int, tuple[int, int]] | None = None) -> NodeState:
         """``w``'s state now (``waiting``: ``_prealloc_waiting()`` when the caller has it for every node)."""
         self._sync(w)
-        running = [r for r in w.running if not r.needs_recompute]
-        n = len(running)
-        if n:
-            ctx_sum = sum(r.context for r in running)
-            ctx_mean = ctx_sum / n
-            ctx_std = math.sqrt(
-                max(0.0, sum(r.context * r.context for r in running) / n - ctx_mean * ctx_mean)
-            )
-            rem = sum(r.output - r.generated for r in running) / n
-            rem_max, rem_weighted = drain_features(
-                [r.context for r in running], [r.output - r.generated for r in running]
-            )
-        else:
-            ctx_mean = ctx_std = rem = rem_max = rem_weighted = 0.0
-        decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n)) if n else 0.0
-        recent = w.step_time_ns * 1e-9 / w.step_count if w.step_count else 0.0
-        recent_decode_only = w.decode_only_ns * 1e-9 / w.step_count if w.step_count else 0.0
         if waiting is None:
             waiting = self._prealloc_waiting()
         waiting_kv, waiting_output = waiting.get(w.idx, (0, 0))
+        contexts = [r.context for r in w.running if not r.needs_recompute]
+        n = len(contexts)
+        if n:
+            remaining = [r.output - r.generated for r in w.running if not r.needs_recompute]
+            ctx_mean = sum(contexts) / n
+            ctx_std = math.sqrt(max(0.0, sum(c * c for c in contexts) / n - ctx_mean * ctx_mean))
+            rem = sum(remaining) / n
+            rem_max, rem_weighted = drain_features(contexts, remaining)
+            decode_only = self.cm.iteration_time_s((), n, int(ctx_mean * n))
+        else:
+            ctx_mean = ctx_std = rem = rem_max = rem_weighted = decode_only = 0.0
+        steps = w.step_count
+        borrowed, local = w.borrowed, w.local
         return NodeState(
             node_id=w.idx,
             time_s=self.now_s,
@@ -1266,13 +1262,13 @@ class Simulator:
             kv_used_tokens=w.kv_used,
             kv_reserved_tokens=self.config.num_reserved_decode_tokens * w.n_active,
             queued_decode_requests=len(w.waiting) + len(w.prealloc) + len(w.retracted),
-            borrowed_tasks=len(w.borrowed),
-            borrowed_prefill_tokens_queued=sum(r.input - r.done for r in w.borrowed),
-            local_tasks=len(w.local),
-            local_prefill_tokens_queued=sum(r.input - r.done for r in w.local),
-            recent_step_time_s=recent,
+            borrowed_tasks=len(borrowed),
+            borrowed_prefill_tokens_queued=sum(r.input - r.done for r in borrowed) if borrowed else 0,
+            local_tasks=len(local),
+            local_prefill_tokens_queued=sum(r.input - r.done for r in local) if local else 0,
+            recent_step_time_s=w.step_time_ns * 1e-9 / steps if steps else 0.0,
             decode_only_step_time_s=decode_only,
-            recent_decode_only_step_time_s=recent_decode_only,
+            recent_decode_only_step_time_s=w.decode_only_ns * 1e-9 / steps if steps else 0.0,
             max_running_requests=self.config.max_running_requests,
             kv_prealloc_waiting_tokens=waiting_kv,
             prealloc_waiting_output_tokens=waiting_output,

@@ -117,7 +117,9 @@ class LeaseBudgets:
         return (self.prefill_tokens, self.kv_tokens, self.transfer_tokens, self.decode_tokens, self.tasks)
 
     def is_zero(self) -> bool:
-        return not any(self.as_tuple())
+        return not (
+            self.prefill_tokens or self.kv_tokens or self.transfer_tokens or self.decode_tokens or self.tasks
+        )
 
     def fits_within(self, limit: LeaseBudgets) -> bool:
         """True when every budget is ``<=`` the corresponding budget of ``limit``."""

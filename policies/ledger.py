@@ -260,6 +260,11 @@ class LeaseLedger:
                 return LeaseBudgets.zero()
             return lease.budgets.saturating_sub(self.held(node_id))
 
+    def has_active(self, node_id: int) -> bool:
+        """Whether any reservation (committed or not) is active on ``node_id``."""
+        with self._lock:
+            return bool(self._by_node.get(node_id))
+
     def pending_ids(self, node_id: int) -> list[int]:
         """Active, un-committed reservation ids on ``node_id`` in id order."""
         with self._lock:

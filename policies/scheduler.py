@@ -23,10 +23,11 @@ not-yet-started borrowed prefill under decode pressure.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 from operator import attrgetter
 from typing import Any, Literal
 
@@ -41,6 +42,21 @@ from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
 _STATE_KEY = attrgetter(*(f.name for f in fields(NodeState) if f.name != "time_s"))
 """A node state's fields apart from its clock, as a tuple (what a node policy may read)."""
+
+
+def _by_node_id(states: Sequence[NodeState]) -> Sequence[NodeState]:
+    """``states`` in node-id order (as given when they already are: every reporter lists them so)."""
+    ids = [s.node_id for s in states]
+    if all(a < b for a, b in itertools.pairwise(ids)):
+        return states
+    return sorted(states, key=lambda s: s.node_id)
+
+
+def _has_pressure_rule(policy: NodePolicy) -> bool:
+    """Whether ``policy`` says why decode needs the node (``decode_pressure``); without one a zero
+    proposal is the pressure (``ClusterScheduler._decode_pressure``)."""
+    return getattr(policy, "decode_pressure", None) is not None
+
 
 ArrivalVerdict = Literal["run", "pause", "fallback"]
 CHUNK_CONTEXT_BUCKET_TOKENS = 1024
@@ -112,6 +128,9 @@ class ClusterScheduler:
                     f"{control_interval_s}; leases would lapse between intervals"
                 )
         self._policy = policy
+        self._policy_by_node: Mapping[int, NodePolicy] = policy if isinstance(policy, Mapping) else {}
+        self._single_policy: NodePolicy | None = None if isinstance(policy, Mapping) else policy
+        """The policy of every node, or None with per-node policies (told apart once, not per call)."""
         self.ledger = ledger
         self.cost = cost
         self.control_interval_s = control_interval_s
@@ -134,18 +153,19 @@ class ClusterScheduler:
         """Decision and lease events as plain dicts (``kind`` says which), for debugging and reports."""
         self._lock = threading.RLock()
         self._lending: dict[int, bool] = {}
-        self._proposals: dict[int, tuple[NodePolicy, tuple[Any, ...], LeaseBudgets]] = {}
-        """node id -> (policy, state without its clock, proposal) of the node's last ``propose``."""
+        self._proposals: dict[int, tuple[NodePolicy, tuple[Any, ...], LeaseBudgets, str | None]] = {}
+        """node id -> (policy, state without its clock, proposal, decode pressure) of the node's last
+        ``propose``."""
         self._arrived: set[int] = set()
         """Un-started reservations whose task has reached its node (so ``NodeState`` counts them)."""
 
     def policy_for(self, node_id: int) -> NodePolicy:
-        if isinstance(self._policy, Mapping):
-            try:
-                return self._policy[node_id]
-            except KeyError:
-                raise KeyError(f"no node policy configured for node {node_id}") from None
-        return self._policy
+        if self._single_policy is not None:
+            return self._single_policy
+        try:
+            return self._policy_by_node[node_id]
+        except KeyError:
+            raise KeyError(f"no node policy configured for node {node_id}") from None
 
     # ---- control loop -------------------------------------------------------------------------------
     def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> list[int]:
@@ -165,38 +185,51 @@ class ClusterScheduler:
             if not self.path.uses_leases:
                 self.path.observe(now_s, states)
                 return []
-            revoked = self.ledger.expire(now_s)
+            ledger = self.ledger
+            revoked = ledger.expire(now_s)
             self._update_itl_guard(states)
             shares = self.path.plan(now_s, states) or {}
-            for state in sorted(states, key=lambda s: s.node_id):
-                policy = self.policy_for(state.node_id)
-                headroom = self._propose(policy, state)
-                scale = self.lend_scale * self.node_scale.get(state.node_id, 1.0)
-                scale *= shares.get(state.node_id, 1.0)
+            for state in _by_node_id(states):
+                node_id = state.node_id
+                policy = self.policy_for(node_id)
+                headroom, pressure = self._propose(policy, state)
+                scale = self.lend_scale * self.node_scale.get(node_id, 1.0)
+                scale *= shares.get(node_id, 1.0)
                 if scale < 1.0 and not headroom.is_zero():
-                    headroom = replace(headroom, prefill_tokens=int(headroom.prefill_tokens * scale))
-                pressure = self._decode_pressure(policy, state, headroom)
+                    headroom = LeaseBudgets(
+                        int(headroom.prefill_tokens * scale),
+                        headroom.kv_tokens,
+                        headroom.transfer_tokens,
+                        headroom.decode_tokens,
+                        headroom.tasks,
+                    )
+                if pressure is None and headroom.is_zero() and not _has_pressure_rule(policy):
+                    pressure = "policy proposes no lease"
                 if pressure is not None:
-                    node_revoked = self.ledger.revoke(state.node_id, now_s)
+                    node_revoked = ledger.revoke(node_id, now_s)
                     lease_budgets = LeaseBudgets.zero()
+                elif not ledger.has_active(node_id):  # nothing held or pending: the headroom is the lease
+                    lease_budgets = headroom
+                    ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
+                    node_revoked = []
                 else:
-                    pending = self.ledger.pending_ids(state.node_id)
-                    reflected = self.ledger.held(state.node_id, committed=True) + LeaseBudgets.total(
-                        self.ledger.held_by(rid) for rid in pending if rid in self._arrived
+                    pending = ledger.pending_ids(node_id)
+                    reflected = ledger.held(node_id, committed=True) + LeaseBudgets.total(
+                        ledger.held_by(rid) for rid in pending if rid in self._arrived
                     )
                     lease_budgets = headroom + reflected
-                    self.ledger.publish(state.node_id, lease_budgets, now_s, policy.ttl_s)
-                    node_revoked = sorted(set(pending) - set(self.ledger.pending_ids(state.node_id)))
+                    ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
+                    node_revoked = sorted(set(pending) - set(ledger.pending_ids(node_id)))
                 revoked.extend(node_revoked)
                 # Record lease transitions (lending <-> decode pressure, or revocations), not every refresh.
                 lending = pressure is None and not lease_budgets.is_zero()
-                if node_revoked or self._lending.get(state.node_id) != lending:
-                    self._lending[state.node_id] = lending
+                if node_revoked or self._lending.get(node_id) != lending:
+                    self._lending[node_id] = lending
                     self.records.append(
                         {
                             "kind": "lease",
                             "time_s": now_s,
-                            "node_id": state.node_id,
+                            "node_id": node_id,
                             **{f"lease_{k}": v for k, v in lease_budgets.to_dict().items()},
                             "decode_pressure": pressure,
                             "revoked": node_revoked,
@@ -206,8 +239,9 @@ class ClusterScheduler:
             self.path.observe(now_s, states)
             return sorted(revoked)
 
-    def _propose(self, policy: NodePolicy, state: NodeState) -> LeaseBudgets:
-        """``policy.propose(state)``, reused while the node's state apart from the clock is unchanged.
+    def _propose(self, policy: NodePolicy, state: NodeState) -> tuple[LeaseBudgets, str | None]:
+        """``(policy.propose(state), policy.decode_pressure(state))`` (the pressure ``None`` for a policy
+        without ``decode_pressure``), reused while the node's state apart from the clock is unchanged.
 
         Node policies are pure functions of the state and never read ``time_s`` (``NodePolicy``), so an
         idle node (most ticks of a closed-loop trace: four in five on the agent sessions) costs no
@@ -216,10 +250,12 @@ class ClusterScheduler:
         key = _STATE_KEY(state)
         memo = self._proposals.get(state.node_id)
         if memo is not None and memo[0] is policy and memo[1] == key:
-            return memo[2]
+            return memo[2], memo[3]
         headroom = policy.propose(state)
-        self._proposals[state.node_id] = (policy, key, headroom)
-        return headroom
+        pressure_fn = getattr(policy, "decode_pressure", None)
+        pressure: str | None = pressure_fn(state) if pressure_fn is not None else None
+        self._proposals[state.node_id] = (policy, key, headroom, pressure)
+        return headroom, pressure
 
     @staticmethod
     def _decode_pressure(

@@ -277,3 +277,30 @@ def test_itl_guard_shrinks_leases_while_the_pool_is_slowed_and_recovers() -> Non
     assert off.lend_scale == 1.0 and off.ledger.lease(1).budgets.prefill_tokens == 20_000
     with pytest.raises(ValueError, match="itl_guard"):
         make_scheduler(itl_guard=0.9)
+
+
+def test_unchanged_states_reuse_the_proposal_and_decode_pressure_and_keep_republishing() -> None:
+    """A node whose state, apart from its clock, is unchanged costs no policy call, yet its lease is
+    still republished every interval (a new epoch); a changed state asks the policy again, and states
+    given out of node order are handled in node order."""
+
+    class Counting(HeuristicPolicy):
+        calls = 0
+
+        def decode_pressure(self, state: NodeState) -> str | None:
+            Counting.calls += 1
+            return super().decode_pressure(state)
+
+    sched = ClusterScheduler(
+        Counting(ConstantPredictor(20_000.0), margin=1.0), LeaseLedger(), FakeCost(), control_interval_s=0.5
+    )
+    for i in range(3):
+        sched.on_control_interval(
+            0.5 * i, [replace(calm(1), time_s=0.5 * i), replace(calm(0), time_s=0.5 * i)]
+        )
+    # propose calls decode_pressure once itself, the scheduler once more, per distinct state and node
+    assert Counting.calls == 4
+    assert sched.ledger.lease(0).epoch == 2 and sched.ledger.lease(1).epoch == 2  # type: ignore[union-attr]
+    sched.on_control_interval(1.5, [calm(0, kv_used_tokens=9_000), calm(1)])
+    assert Counting.calls == 6
+    assert sched.ledger.lease(0).budgets == sched.policy_for(0).propose(calm(0, kv_used_tokens=9_000))  # type: ignore[union-attr]
