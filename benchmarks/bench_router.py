@@ -78,6 +78,7 @@ def agree(args: argparse.Namespace) -> None:
         completed = {k[0]: v for k, v in router.m_completed.values.items()}
         decisions = dict(router.m_decisions.values)
         fallbacks = sum(router.m_fallbacks.values.values())
+        stuck = _stuck_report(live)
         _on(background, stack.stop())
     m = result.metrics
     share = completed.get("borrow", 0.0) / max(1.0, sum(completed.values()))
@@ -99,6 +100,32 @@ def agree(args: argparse.Namespace) -> None:
     print(f"finished: simulate {sim.n_finished}, router {m['n_finished']}; router fallbacks {fallbacks:g}")
     print(f"decisions: simulate {dict(sim_decisions)}")
     print(f"           router   { ({f'{p}/{r}': int(n) for (p, r), n in decisions.items()}) }")
+    for line in stuck:
+        print(line)
+
+
+def _stuck_report(live: LiveCluster) -> list[str]:
+    """One line per request the emulated cluster still holds when the replay ended (none when every
+    request finished): where it is in the simulator, and its decode node's lease and credit."""
+    lines = []
+    sim = live.sim
+    for rid in sorted(live._live):
+        req = sim.reqs[rid]
+        line = (
+            f"still in the cluster: request {rid} path {req.path} prefill worker {req.prefill_worker} "
+            f"decode worker {req.decode_worker} reservation {req.reservation} started {req.started} "
+            f"done {req.done}/{req.input} generated {req.generated}/{req.output} has_kv {req.has_kv}"
+        )
+        if req.decode_worker >= 0:
+            w = sim.decode[req.decode_worker]
+            bucket, now = w.bucket, sim.now_s
+            line += (
+                f"; node {w.idx}: running {len(w.running)} borrowed {len(w.borrowed)} waiting "
+                f"{len(w.waiting)} prealloc {len(w.prealloc)} credit {bucket.available_tokens(now):.0f} "
+                f"rate {bucket.rate_tokens_per_s:.0f}/s lease until {bucket.expires_s:.2f} (now {now:.2f})"
+            )
+        lines.append(line)
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------

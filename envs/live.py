@@ -416,11 +416,20 @@ class LiveCluster:
         parent, shared = self.prefixes.resolve(hashes, len(token_ids))
         request = Request(rid, session_id, 0, self.now_s(), len(token_ids), output_tokens, parent, shared)
         live = LiveRequest(rid, request, -1 if prefill_worker is None else prefill_worker, decode_worker)
-        self.sim.inject(
-            request, decode_worker=decode_worker, prefill_worker=prefill_worker, reservation_id=reservation_id
-        )
-        self.prefixes.add(hashes, rid, len(token_ids))
+        # registered first: a borrowed request whose reservation lapsed since it was made is refused
+        # inside ``inject`` (``on_reject``), and that refusal must reach this request's handler
         self._live[rid] = live
+        try:
+            self.sim.inject(
+                request,
+                decode_worker=decode_worker,
+                prefill_worker=prefill_worker,
+                reservation_id=reservation_id,
+            )
+        except BaseException:
+            self._live.pop(rid, None)
+            raise
+        self.prefixes.add(hashes, rid, len(token_ids))
         self._kick()
         return live
 

@@ -117,12 +117,16 @@ class WireLeases:
         self._of(reservation_id).finish(reservation_id)
 
     def on_fallback(self, reservation_id: int) -> None:
-        self._of(reservation_id).cancel(reservation_id)
+        # a reservation the node revoked or let expire is closed already (the reason it falls back)
+        if self.ledger.status(reservation_id) in ("reserved", "committed"):
+            self._of(reservation_id).cancel(reservation_id)
 
     def unstarted_kv_tokens(self, node_id: int, exclude: int | None = None) -> int:
         return self._node(node_id).unstarted_kv_tokens(exclude)
 
     def pull_tokens(self, reservation_id: int) -> int:
+        if self.ledger.status(reservation_id) not in ("reserved", "committed"):
+            return 0  # revoked or expired since it was made: it falls back on arrival
         return self.ledger.held_by(reservation_id).transfer_tokens
 
     def borrowed_chunk_tokens(

@@ -18,6 +18,7 @@ from envs.prefix_cache import PrefixCache, PrefixIndex
 from envs.request import Request, Trace
 from envs.simulator import Simulator
 from envs.traces import load_trace
+from policies.lease import LeaseBudgets
 from serving.replay import PromptTokens
 from train.experiment import build_scheduler, head
 
@@ -181,3 +182,77 @@ def test_borrowed_requests_run_on_the_nodes_lease_or_are_refused() -> None:
     assert before is None and generated == 10
     req = cluster.sim.reqs[1]
     assert req.path == 1 and cluster.sim.counters.borrowed_prefill_tokens == 1000
+
+
+class _Refusals:
+    """A simulator listener that records refused requests (the emulated worker answers them 503)."""
+
+    def __init__(self) -> None:
+        self.refused: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *args: None
+
+    def on_reject(self, req: object) -> None:
+        self.refused.append(req.rid)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("when", ["before-arrival", "while-waiting"])
+def test_a_wire_fed_node_refuses_a_borrowed_request_whose_reservation_lapsed(when: str) -> None:
+    """On a node whose leases come over the wire (``WireLeases``), a borrowed request whose reservation
+    the node revoked (a smaller lease pushed) is refused with 503 before any token, so the router falls
+    back: at its arrival, or while it waits for credit, at the next control interval. (The revoked
+    reservation is closed already; giving it back must not fail.)"""
+    from serving.node_leases import WireLeases
+
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
+    nodes = WireLeases(1, burst_s=config.control_interval_s)
+    sim = Simulator(Trace("live", [], source="test"), config, scheduler=nodes, cost_model=CostModel(*MODEL))
+    sim.open_ended = sim.refuse_fallbacks = True
+    listener = _Refusals()
+    sim.listener = listener  # type: ignore[assignment]
+    lease = LeaseBudgets(
+        prefill_tokens=1_000, kv_tokens=10**6, transfer_tokens=0, decode_tokens=10**5, tasks=4
+    )
+    nodes.install_lease(0, lease, 1.0, 0.0)  # 1 000 tokens/s; the bucket starts empty
+    sim.decode[0].bucket.set_lease(0.0, *nodes.lease_rate(0))
+    demand = local_prefill_demand(5_000, 10)
+    reservation = nodes.ledger.reserve(0, dataclasses.replace(demand, prefill_tokens=500), 0.0)
+    assert reservation is not None
+    rid = reservation.reservation_id
+    smaller = dataclasses.replace(lease, tasks=0)  # holds nothing: the reservation is revoked
+    if when == "before-arrival":
+        assert nodes.install_lease(0, smaller, 1.0, 0.0) == [rid]
+    sim.inject(Request(0, 0, 0, 0.0, 5_000, 10, -1, 0), decode_worker=0, reservation_id=rid)
+    if when == "while-waiting":
+        assert sim.reqs[0] in sim.decode[0].borrowed and not sim.reqs[0].started, "waits for credit"
+        assert nodes.install_lease(0, smaller, 1.0, 0.0) == [rid]
+        sim.step_until(0.25)
+    assert listener.refused == [0] and sim.reqs[0].path == 2 and sim.reqs[0].generated == 0
+    assert nodes.ledger.status(rid) == "revoked" and nodes.ledger.active_ids() == []
+
+
+def test_a_live_borrowed_request_refused_as_it_enters_gets_its_503() -> None:
+    """The emulated worker reserves, then submits; a lease pushed in between that revokes the
+    reservation makes the simulator refuse the request inside ``submit_borrowed``: the refusal must
+    still reach the request (503 before any token), not leave it waiting forever."""
+    from serving.node_leases import WireLeases
+
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    cluster = LiveCluster(config, cost_model=CostModel(*MODEL), scheduler=WireLeases(1), time_scale=2.0)
+    lease = LeaseBudgets(
+        prefill_tokens=10_000, kv_tokens=10**6, transfer_tokens=0, decode_tokens=10**5, tasks=4
+    )
+
+    async def body() -> tuple[int, str] | None:
+        cluster.install_lease(0, lease, 5.0)
+        reservation = cluster.reserve_borrowed(0, 1_000, 10)
+        assert reservation is not None
+        cluster.install_lease(0, dataclasses.replace(lease, tasks=0), 5.0)  # revokes it
+        live = cluster.submit_borrowed(np.arange(1_000), 10, decode_worker=0, reservation_id=reservation)
+        await asyncio.wait_for(live.changed(), timeout=5.0)
+        assert live.generated == 0 and cluster.in_flight() == 0
+        return live.error
+
+    error = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
+    assert error is not None and error[0] == 503
