@@ -32,8 +32,10 @@ Rule, per request:
    even a 64-token chunk reads every expert (on gpt-oss-120b it adds 13 ms to a 4 ms step), so the
    *share* of such tokens, not each iteration's length, decides whether the token-weighted ITL tail
    moves: a p99 does not move while well under 1 % of the tokens see a mixed step. With
-   ``mixed_share_exempt_late`` a request whose normal path already misses the TTFT SLO by its
-   estimate may still borrow there (lending then buys an SLO-met request, not a faster one).
+   ``mixed_share_rescue`` (needs the capacity test) a request may still borrow past the budget when
+   the pool is past capacity (the prefill work arriving outruns what it computes), its normal path
+   misses the TTFT SLO by the estimate and the borrow meets it: lending then buys an SLO-met request
+   where plain PD cannot keep up, not a faster one in a burst the queue drains by itself.
 4. Admission control (``shed_ttft_factor``): a congested request whose fastest path (normal, or any
    lease that can hold it) is estimated past ``shed_ttft_factor x`` the TTFT SLO is shed: refused at
    arrival, counted as an SLO miss (it stays in the SLO denominator, ``envs.metrics``) and never as
@@ -102,8 +104,8 @@ class LeasePath(PathPolicy):
         mixed_share_budget: the mixed-iteration share budget per node (module docstring, rule 3b), a
             share of its decode tokens in [0, 1); ``None``: off.
         mixed_share_window_s: time constant of that share's decayed window.
-        mixed_share_exempt_late: requests whose normal-path estimate misses the TTFT SLO ignore the
-            budget.
+        mixed_share_rescue: past capacity, requests the normal path makes late may borrow past the
+            budget where that meets their TTFT SLO (rule 3b; needs ``congestion="capacity"``).
     """
 
     uses_leases = True
@@ -123,18 +125,18 @@ class LeasePath(PathPolicy):
         shed_ttft_factor: float | None = None,
         mixed_share_budget: float | None = None,
         mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
-        mixed_share_exempt_late: bool = False,
+        mixed_share_rescue: bool = False,
     ) -> None:
         super().__init__()
         if mixed_share_budget is not None and not 0 <= mixed_share_budget < 1:
             raise ValueError(f"mixed_share_budget must be in [0, 1) or None, got {mixed_share_budget!r}")
         if not 0 < mixed_share_window_s < math.inf:
             raise ValueError(f"mixed_share_window_s must be finite and > 0, got {mixed_share_window_s!r}")
-        if mixed_share_exempt_late and not slo_ttft_s < math.inf:
-            raise ValueError("mixed_share_exempt_late needs a finite slo_ttft_s")
+        if mixed_share_rescue and congestion != "capacity":
+            raise ValueError("mixed_share_rescue needs the capacity test (congestion='capacity')")
         self.mixed_share_budget = mixed_share_budget
         self.mixed_share_window_s = mixed_share_window_s
-        self.mixed_share_exempt_late = mixed_share_exempt_late
+        self.mixed_share_rescue = mixed_share_rescue
         self.slo_ttft_s = slo_ttft_s
         self._decode_tokens: dict[int, float] = {}
         self._mixed_tokens: dict[int, float] = {}
@@ -207,10 +209,15 @@ class LeasePath(PathPolicy):
 
     def within_mixed_share(self, est_normal_s: float, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those a request with normal-path estimate ``est_normal_s`` may be offered under
-        the mixed-iteration share budget (rule 3b): every node for a request the normal path makes
-        late with ``mixed_share_exempt_late`` (``choose`` then keeps only options there that meet the
-        TTFT SLO), otherwise the nodes within their budget."""
-        if self.mixed_share_exempt_late and est_normal_s > self.slo_ttft_s:
+        the mixed-iteration share budget (rule 3b): every node for a request ``mixed_share_rescue``
+        may rescue (past capacity, late on the normal path; ``choose`` then keeps only options past a
+        budget that meet the TTFT SLO), otherwise the nodes within their budget. Call after
+        ``congestion_reason`` (which counts the request as arrived work)."""
+        if (
+            self.mixed_share_rescue
+            and est_normal_s > self.slo_ttft_s
+            and self.arrival_tokens_per_s() > self.pool_tokens_per_s
+        ):
             return nodes
         return [n for n in nodes if not self.over_mixed_share(n)]
 
@@ -302,7 +309,9 @@ class LeasePath(PathPolicy):
         # a late request borrows past a node's budget only where that buys an SLO-met first token
         kept = [o for o in options if o.est_s <= self.slo_ttft_s or not self.over_mixed_share(o.node_id)]
         if options and not kept:
-            reason = "late, but no lease past its mixed-iteration share budget meets the TTFT SLO"
+            reason = (
+                "late past capacity, but no lease past its mixed-iteration share budget meets the TTFT SLO"
+            )
             return PathDecision(
                 "normal", None, None, est_normal_s, None, reason, PathReason.MIXED_SHARE_BUDGET
             )
@@ -378,7 +387,7 @@ def _make_lease_path(
     shed_ttft_factor: float | None = None,
     mixed_share_budget: float | None = None,
     mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
-    mixed_share_exempt_late: bool = False,
+    mixed_share_rescue: bool = False,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -393,7 +402,7 @@ def _make_lease_path(
         shed_ttft_factor=shed_ttft_factor,
         mixed_share_budget=mixed_share_budget,
         mixed_share_window_s=mixed_share_window_s,
-        mixed_share_exempt_late=mixed_share_exempt_late,
+        mixed_share_rescue=mixed_share_rescue,
     )
 
 

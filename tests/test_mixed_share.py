@@ -76,10 +76,22 @@ def test_every_node_past_its_budget_sends_the_request_the_normal_way_with_its_re
     assert sched.choose_path(query(2, wait_s=2.0), 30.0).path == "borrow"
 
 
-def test_a_late_request_may_pass_the_budget_only_where_that_meets_its_ttft_slo() -> None:
+def rescue_path(pool_tokens_per_s: float) -> LeasePath:
+    return LeasePath(
+        FakeCost(),
+        congestion="capacity",
+        slo_ttft_s=5.0,
+        pool_tokens_per_s=pool_tokens_per_s,
+        arrival_window_s=5.0,
+        mixed_share_budget=0.01,
+        mixed_share_rescue=True,
+    )
+
+
+def test_past_capacity_a_late_request_may_pass_the_budget_only_where_that_meets_its_ttft_slo() -> None:
     over = [calm(n, recent_decode_tokens=1000, recent_mixed_decode_tokens=30) for n in (0, 1)]
-    late = budget_path(0.01, mixed_share_exempt_late=True)
-    sched = scheduler_with(late, safe_tokens_per_s=200_000.0)  # leases hold 200k prefill tokens
+    # 10k-token requests arrive faster than a 1k tok/s pool computes: past capacity
+    sched = scheduler_with(rescue_path(1_000.0), safe_tokens_per_s=200_000.0)  # leases hold 200k tokens
     sched.on_control_interval(0.0, over)
     # normal path: 6 s of queue + 0.5 s prefill > 5 s SLO; borrowing takes 0.5 s: rescued
     d = sched.choose_path(query(1, wait_s=6.0), 0.0)
@@ -94,10 +106,10 @@ def test_a_late_request_may_pass_the_budget_only_where_that_meets_its_ttft_slo()
     free = scheduler_with(budget_path(None), safe_tokens_per_s=200_000.0)
     free.on_control_interval(0.0, over)
     assert free.choose_path(query(3, wait_s=20.0, input_tokens=120_000), 0.0).path == "borrow"
-    # without the exemption the late request stays on the normal path
-    strict = scheduler_with(budget_path(0.01))
-    strict.on_control_interval(0.0, over)
-    assert strict.choose_path(query(1, wait_s=6.0), 0.0).code is PathReason.MIXED_SHARE_BUDGET
+    # below capacity (a burst the pool drains by itself) the same late request keeps to the budget
+    burst = scheduler_with(rescue_path(1e9), safe_tokens_per_s=200_000.0)
+    burst.on_control_interval(0.0, over)
+    assert burst.choose_path(query(1, wait_s=6.0), 0.0).code is PathReason.MIXED_SHARE_BUDGET
 
 
 def test_bad_budget_settings_are_refused() -> None:
@@ -106,8 +118,8 @@ def test_bad_budget_settings_are_refused() -> None:
             budget_path(bad)
     with pytest.raises(ValueError, match="mixed_share_window_s"):
         budget_path(0.01, mixed_share_window_s=0.0)
-    with pytest.raises(ValueError, match="finite slo_ttft_s"):
-        LeasePath(FakeCost(), mixed_share_budget=0.01, mixed_share_exempt_late=True)
+    with pytest.raises(ValueError, match="capacity test"):
+        budget_path(0.01, mixed_share_rescue=True)
 
 
 def test_the_simulator_counts_the_tokens_of_iterations_with_lent_prefill() -> None:
