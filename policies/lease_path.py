@@ -80,6 +80,30 @@ DEFAULT_MIXED_SHARE_WINDOW_S = 60.0
 Congestion = Literal["capacity", "wait"]
 
 
+class DecayedSum:
+    """A sum of values decayed exponentially with time constant ``tau_s`` (a windowed rate)."""
+
+    __slots__ = ("t_s", "tau_s", "total")
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self.total = 0.0
+        self.t_s = -math.inf
+
+    def value(self, now_s: float) -> float:
+        if now_s <= self.t_s or self.t_s == -math.inf:
+            return self.total
+        return self.total * math.exp(-(now_s - self.t_s) / self.tau_s)
+
+    def add(self, now_s: float, x: float) -> None:
+        self.total = self.value(now_s) + x
+        self.t_s = max(self.t_s, now_s)
+
+    def rate(self, now_s: float) -> float:
+        """Per second over the window."""
+        return self.value(now_s) / self.tau_s
+
+
 @dataclass(frozen=True, slots=True)
 class _BorrowOption:
     node_id: int
@@ -138,9 +162,8 @@ class LeasePath(PathPolicy):
         self.mixed_share_window_s = mixed_share_window_s
         self.mixed_share_rescue = mixed_share_rescue
         self.slo_ttft_s = slo_ttft_s
-        self._decode_tokens: dict[int, float] = {}
-        self._mixed_tokens: dict[int, float] = {}
-        self._observed_s = -math.inf
+        self._tokens: dict[int, tuple[DecayedSum, DecayedSum]] = {}
+        """node -> (decode tokens, of them mixed) over the decayed window (rule 3b)."""
         if shed_ttft_factor is not None and not (shed_ttft_factor >= 1 and slo_ttft_s < math.inf):
             raise ValueError(
                 "shed_ttft_factor must be >= 1 with a finite slo_ttft_s, "
@@ -188,20 +211,20 @@ class LeasePath(PathPolicy):
         super().observe(now_s, states)
         if self.mixed_share_budget is None:
             return
-        decay = 1.0
-        if self._observed_s > -math.inf:
-            decay = math.exp(-max(0.0, now_s - self._observed_s) / self.mixed_share_window_s)
-        self._observed_s = max(self._observed_s, now_s)
         for s in states:
-            n = s.node_id
-            self._decode_tokens[n] = self._decode_tokens.get(n, 0.0) * decay + s.recent_decode_tokens
-            self._mixed_tokens[n] = self._mixed_tokens.get(n, 0.0) * decay + s.recent_mixed_decode_tokens
+            decode, mixed = self._tokens.setdefault(
+                s.node_id, (DecayedSum(self.mixed_share_window_s), DecayedSum(self.mixed_share_window_s))
+            )
+            decode.add(now_s, s.recent_decode_tokens)
+            mixed.add(now_s, s.recent_mixed_decode_tokens)
 
     def mixed_share(self, node_id: int) -> float:
         """Share of ``node_id``'s decode tokens over the decayed window that came out of iterations with
         borrowed or local prefill mixed in (0 before any were observed, and with the budget off)."""
-        total = self._decode_tokens.get(node_id, 0.0)
-        return self._mixed_tokens.get(node_id, 0.0) / total if total > 0 else 0.0
+        if node_id not in self._tokens:
+            return 0.0
+        decode, mixed = self._tokens[node_id]
+        return mixed.total / decode.total if decode.total > 0 else 0.0
 
     def over_mixed_share(self, node_id: int) -> bool:
         """Whether ``node_id`` is past its mixed-iteration share budget (rule 3b; never with it off)."""
@@ -422,6 +445,7 @@ __all__ = [
     "DEFAULT_PREFIX_REUSE_SHARE",
     "DEFAULT_SHED_TTFT_FACTOR",
     "DEFAULT_TTFT_SHARE",
+    "DecayedSum",
     "LeasePath",
     "prefill_pool_tokens_per_s",
 ]
