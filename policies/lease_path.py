@@ -32,10 +32,10 @@ Rule, per request:
    even a 64-token chunk reads every expert (on gpt-oss-120b it adds 13 ms to a 4 ms step), so the
    *share* of such tokens, not each iteration's length, decides whether the token-weighted ITL tail
    moves: a p99 does not move while well under 1 % of the tokens see a mixed step. With
-   ``mixed_share_rescue`` (needs the capacity test) a request may still borrow past the budget when
-   the pool is past capacity (the prefill work arriving outruns what it computes), its normal path
-   misses the TTFT SLO by the estimate and the borrow meets it: lending then buys an SLO-met request
-   where plain PD cannot keep up, not a faster one in a burst the queue drains by itself.
+   ``mixed_share_rescue`` a request may still borrow past the budget when its normal path misses the
+   TTFT SLO by the estimate, the borrow meets it, and more than that share of the recent requests
+   (decayed over the same window) were late on their normal path: plain PD is then failing the SLO,
+   and lending buys SLO-met requests, not faster ones in a burst the queue drains by itself.
 4. Admission control (``shed_ttft_factor``): a congested request whose fastest path (normal, or any
    lease that can hold it) is estimated past ``shed_ttft_factor x`` the TTFT SLO is shed: refused at
    arrival, counted as an SLO miss (it stays in the SLO denominator, ``envs.metrics``) and never as
@@ -128,8 +128,9 @@ class LeasePath(PathPolicy):
         mixed_share_budget: the mixed-iteration share budget per node (module docstring, rule 3b), a
             share of its decode tokens in [0, 1); ``None``: off.
         mixed_share_window_s: time constant of that share's decayed window.
-        mixed_share_rescue: past capacity, requests the normal path makes late may borrow past the
-            budget where that meets their TTFT SLO (rule 3b; needs ``congestion="capacity"``).
+        mixed_share_rescue: share of recent requests late on their normal path past which a late
+            request may borrow past the budget where that meets its TTFT SLO (rule 3b); ``None``:
+            never.
     """
 
     uses_leases = True
@@ -149,21 +150,26 @@ class LeasePath(PathPolicy):
         shed_ttft_factor: float | None = None,
         mixed_share_budget: float | None = None,
         mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
-        mixed_share_rescue: bool = False,
+        mixed_share_rescue: float | None = None,
     ) -> None:
         super().__init__()
         if mixed_share_budget is not None and not 0 <= mixed_share_budget < 1:
             raise ValueError(f"mixed_share_budget must be in [0, 1) or None, got {mixed_share_budget!r}")
         if not 0 < mixed_share_window_s < math.inf:
             raise ValueError(f"mixed_share_window_s must be finite and > 0, got {mixed_share_window_s!r}")
-        if mixed_share_rescue and congestion != "capacity":
-            raise ValueError("mixed_share_rescue needs the capacity test (congestion='capacity')")
+        if mixed_share_rescue is not None and not (0 <= mixed_share_rescue < 1 and slo_ttft_s < math.inf):
+            raise ValueError(
+                f"mixed_share_rescue must be in [0, 1) with a finite slo_ttft_s, got {mixed_share_rescue!r}"
+            )
         self.mixed_share_budget = mixed_share_budget
         self.mixed_share_window_s = mixed_share_window_s
         self.mixed_share_rescue = mixed_share_rescue
         self.slo_ttft_s = slo_ttft_s
         self._tokens: dict[int, tuple[DecayedSum, DecayedSum]] = {}
         """node -> (decode tokens, of them mixed) over the decayed window (rule 3b)."""
+        self._requests = DecayedSum(mixed_share_window_s)
+        self._late = DecayedSum(mixed_share_window_s)
+        """Requests seen, and of them late on their normal path, over the same window."""
         if shed_ttft_factor is not None and not (shed_ttft_factor >= 1 and slo_ttft_s < math.inf):
             raise ValueError(
                 "shed_ttft_factor must be >= 1 with a finite slo_ttft_s, "
@@ -230,17 +236,18 @@ class LeasePath(PathPolicy):
         """Whether ``node_id`` is past its mixed-iteration share budget (rule 3b; never with it off)."""
         return self.mixed_share_budget is not None and self.mixed_share(node_id) > self.mixed_share_budget
 
+    def late_share(self) -> float:
+        """Share of the recent requests (decayed over ``mixed_share_window_s``) whose normal-path
+        estimate missed the TTFT SLO (counted only with ``mixed_share_rescue``)."""
+        return self._late.total / self._requests.total if self._requests.total > 0 else 0.0
+
     def within_mixed_share(self, est_normal_s: float, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those a request with normal-path estimate ``est_normal_s`` may be offered under
         the mixed-iteration share budget (rule 3b): every node for a request ``mixed_share_rescue``
-        may rescue (past capacity, late on the normal path; ``choose`` then keeps only options past a
-        budget that meet the TTFT SLO), otherwise the nodes within their budget. Call after
-        ``congestion_reason`` (which counts the request as arrived work)."""
-        if (
-            self.mixed_share_rescue
-            and est_normal_s > self.slo_ttft_s
-            and self.arrival_tokens_per_s() > self.pool_tokens_per_s
-        ):
+        may rescue (late while plain PD is failing the SLO; ``choose`` then keeps only options past a
+        budget that meet the TTFT SLO), otherwise the nodes within their budget."""
+        late = est_normal_s > self.slo_ttft_s
+        if self.mixed_share_rescue is not None and late and self.late_share() > self.mixed_share_rescue:
             return nodes
         return [n for n in nodes if not self.over_mixed_share(n)]
 
@@ -311,6 +318,9 @@ class LeasePath(PathPolicy):
     def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> PathDecision:
         est_normal_s = normal_path_estimate_s(self.cost, q)
         congested = self.congestion_reason(q, now_s)
+        if self.mixed_share_rescue is not None:
+            self._requests.add(now_s, 1.0)
+            self._late.add(now_s, 1.0 if est_normal_s > self.slo_ttft_s else 0.0)
         nodes = ledger.node_ids()
         if congested is None:
             nodes = self.prefix_nodes(q, nodes)
@@ -410,7 +420,7 @@ def _make_lease_path(
     shed_ttft_factor: float | None = None,
     mixed_share_budget: float | None = None,
     mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
-    mixed_share_rescue: bool = False,
+    mixed_share_rescue: float | None = None,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,

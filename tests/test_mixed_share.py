@@ -76,27 +76,19 @@ def test_every_node_past_its_budget_sends_the_request_the_normal_way_with_its_re
     assert sched.choose_path(query(2, wait_s=2.0), 30.0).path == "borrow"
 
 
-def rescue_path(pool_tokens_per_s: float) -> LeasePath:
-    return LeasePath(
-        FakeCost(),
-        congestion="capacity",
-        slo_ttft_s=5.0,
-        pool_tokens_per_s=pool_tokens_per_s,
-        arrival_window_s=5.0,
-        mixed_share_budget=0.01,
-        mixed_share_rescue=True,
-    )
+def rescue_path() -> LeasePath:
+    return budget_path(0.01, mixed_share_rescue=0.25)
 
 
-def test_past_capacity_a_late_request_may_pass_the_budget_only_where_that_meets_its_ttft_slo() -> None:
+def test_a_late_request_may_pass_the_budget_while_plain_pd_fails_the_slo_and_where_it_meets_it() -> None:
     over = [calm(n, recent_decode_tokens=1000, recent_mixed_decode_tokens=30) for n in (0, 1)]
-    # 10k-token requests arrive faster than a 1k tok/s pool computes: past capacity
-    sched = scheduler_with(rescue_path(1_000.0), safe_tokens_per_s=200_000.0)  # leases hold 200k tokens
+    path = rescue_path()
+    sched = scheduler_with(path, safe_tokens_per_s=200_000.0)  # leases hold 200k prefill tokens
     sched.on_control_interval(0.0, over)
-    # normal path: 6 s of queue + 0.5 s prefill > 5 s SLO; borrowing takes 0.5 s: rescued
+    # a first late request (6 s of queue + 0.5 s > 5 s) among none: 100 % of recent requests late
     d = sched.choose_path(query(1, wait_s=6.0), 0.0)
-    assert d.path == "borrow"
-    # 2 s of queue meets the SLO on the normal path: the budget holds
+    assert path.late_share() == 1.0 and d.path == "borrow"
+    # a request the normal path serves in time keeps to the budget whatever the others do
     d = sched.choose_path(query(2, wait_s=2.0), 0.0)
     assert d.path == "normal" and d.code is PathReason.MIXED_SHARE_BUDGET
     # a late request the lease cannot bring within the SLO either (120k tokens: 6 s) is not rescued,
@@ -106,10 +98,14 @@ def test_past_capacity_a_late_request_may_pass_the_budget_only_where_that_meets_
     free = scheduler_with(budget_path(None), safe_tokens_per_s=200_000.0)
     free.on_control_interval(0.0, over)
     assert free.choose_path(query(3, wait_s=20.0, input_tokens=120_000), 0.0).path == "borrow"
-    # below capacity (a burst the pool drains by itself) the same late request keeps to the budget
-    burst = scheduler_with(rescue_path(1e9), safe_tokens_per_s=200_000.0)
+    # a burst: one late request after 9 on time (10 % late, under the 25 % line) keeps to the budget
+    burst_path = rescue_path()
+    burst = scheduler_with(burst_path, safe_tokens_per_s=200_000.0)
     burst.on_control_interval(0.0, over)
-    assert burst.choose_path(query(1, wait_s=6.0), 0.0).code is PathReason.MIXED_SHARE_BUDGET
+    for i in range(9):
+        burst.choose_path(query(10 + i, wait_s=1.0), 0.0)
+    d = burst.choose_path(query(20, wait_s=6.0), 0.0)
+    assert burst_path.late_share() == pytest.approx(0.1) and d.code is PathReason.MIXED_SHARE_BUDGET
 
 
 def test_bad_budget_settings_are_refused() -> None:
@@ -118,8 +114,10 @@ def test_bad_budget_settings_are_refused() -> None:
             budget_path(bad)
     with pytest.raises(ValueError, match="mixed_share_window_s"):
         budget_path(0.01, mixed_share_window_s=0.0)
-    with pytest.raises(ValueError, match="capacity test"):
-        budget_path(0.01, mixed_share_rescue=True)
+    with pytest.raises(ValueError, match="mixed_share_rescue"):
+        budget_path(0.01, mixed_share_rescue=1.5)
+    with pytest.raises(ValueError, match="mixed_share_rescue"):
+        LeasePath(FakeCost(), mixed_share_budget=0.01, mixed_share_rescue=0.25)  # no SLO to be late for
 
 
 def test_the_simulator_counts_the_tokens_of_iterations_with_lent_prefill() -> None:
