@@ -25,7 +25,8 @@ Rule, per request:
    option must fit what the lease still has (``LeaseLedger.available``) on every budget.
 3. Borrow on the fastest option if it beats the normal path's estimate by ``borrow_margin``,
    reserving on the ledger (the next fastest within the margin if the reservation fails).
-3b. Mixed-iteration share budget (``mixed_share_budget``, off by default): a node whose recent decode
+3b. Mixed-iteration share budget (``mixed_share_budget``; off in the bare class, on in the catalog's
+   ``lease`` path, ``DEFAULT_MIXED_SHARE_BUDGET``): a node whose recent decode
    tokens (decayed over ``mixed_share_window_s``) came out of iterations with borrowed or local
    prefill mixed in more often than that share is not offered new borrows (its committed work goes
    on). Every token of a mixed iteration waits out the whole iteration, and on a mixture of experts
@@ -77,6 +78,13 @@ DEFAULT_PREFIX_REUSE_SHARE = 0.5
 """A decode node caching at least this share of a prompt is offered it even when the pool is not short."""
 DEFAULT_MIXED_SHARE_WINDOW_S = 60.0
 """Time constant of the decayed window over which a node's mixed-iteration token share is counted."""
+DEFAULT_MIXED_SHARE_BUDGET = 0.0025
+"""The catalog's ``lease`` path keeps each node's mixed-iteration token share within 0.25 %: a
+quarter of the 1 % of tokens above a p99, so the token-weighted ITL p99 stays put (docs/compare.md,
+"Do no harm at 4P2D")."""
+DEFAULT_MIXED_SHARE_RESCUE = 0.15
+"""... and rescues late requests past it while more than 15 % of recent requests are late on their
+normal path (plain PD failing a 90 % SLO target with a margin for bursts)."""
 Congestion = Literal["capacity", "wait"]
 
 
@@ -418,9 +426,9 @@ def _make_lease_path(
     arrival_window_s: float | None = None,
     prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
     shed_ttft_factor: float | None = None,
-    mixed_share_budget: float | None = None,
+    mixed_share_budget: float | None = DEFAULT_MIXED_SHARE_BUDGET,
     mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
-    mixed_share_rescue: float | None = None,
+    mixed_share_rescue: float | None = DEFAULT_MIXED_SHARE_RESCUE,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -451,6 +459,8 @@ register_path_policy(
 __all__ = [
     "DEFAULT_BORROW_MARGIN",
     "DEFAULT_CONGESTION_WAIT_S",
+    "DEFAULT_MIXED_SHARE_BUDGET",
+    "DEFAULT_MIXED_SHARE_RESCUE",
     "DEFAULT_MIXED_SHARE_WINDOW_S",
     "DEFAULT_PREFIX_REUSE_SHARE",
     "DEFAULT_SHED_TTFT_FACTOR",

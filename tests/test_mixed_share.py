@@ -140,3 +140,22 @@ def test_the_simulator_counts_the_tokens_of_iterations_with_lent_prefill() -> No
     for w in sim.decode:
         retracted = sum(r.retractions for r in sim.reqs if r.decode_worker == w.idx)
         assert decode[w.idx] + w.decode_tokens == w.itl.tokens - retracted
+
+
+def test_the_catalogs_heuristic_runs_the_budget_with_the_rescue_by_default() -> None:
+    from envs.cluster_config import ClusterConfig
+    from envs.estimator import ClusterEstimator
+    from policies.catalog import make_scheduler
+    from policies.context import PolicyContext
+    from policies.lease_path import DEFAULT_MIXED_SHARE_BUDGET, DEFAULT_MIXED_SHARE_RESCUE
+    from tests.fakes import LinearCostModel
+
+    cfg = ClusterConfig()
+    ctx = PolicyContext(ClusterEstimator(cfg, LinearCostModel()), cfg, ConstantPredictor(1e4))  # type: ignore[arg-type]
+    for name in ("heuristic", "heuristic-shed"):
+        sched = make_scheduler(name, ctx, {})
+        assert sched is not None and isinstance(sched.path, LeasePath)
+        assert sched.path.mixed_share_budget == DEFAULT_MIXED_SHARE_BUDGET
+        assert sched.path.mixed_share_rescue == DEFAULT_MIXED_SHARE_RESCUE
+    off = make_scheduler("heuristic", ctx, {"path.mixed_share_budget": None, "path.mixed_share_rescue": None})
+    assert off is not None and off.path.mixed_share_budget is None  # type: ignore[attr-defined]
