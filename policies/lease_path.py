@@ -350,9 +350,7 @@ class LeasePath(PathPolicy):
         # a late request borrows past a node's budget only where that buys an SLO-met first token
         kept = [o for o in options if o.est_s <= self.slo_ttft_s or not self.over_mixed_share(o.node_id)]
         if options and not kept:
-            reason = (
-                "late past capacity, but no lease past its mixed-iteration share budget meets the TTFT SLO"
-            )
+            reason = "late, but no lease past its mixed-iteration share budget meets the TTFT SLO"
             return PathDecision(
                 "normal", None, None, est_normal_s, None, reason, PathReason.MIXED_SHARE_BUDGET
             )
