@@ -25,6 +25,18 @@ Rule, per request:
    option must fit what the lease still has (``LeaseLedger.available``) on every budget.
 3. Borrow on the fastest option if it beats the normal path's estimate by ``borrow_margin``,
    reserving on the ledger (the next fastest within the margin if the reservation fails).
+3b. Mixed-iteration share budget (``mixed_share_budget``; off in the bare class, on in the catalog's
+   ``lease`` path, ``DEFAULT_MIXED_SHARE_BUDGET``): a node whose recent decode
+   tokens (decayed over ``mixed_share_window_s``) came out of iterations with borrowed or local
+   prefill mixed in more often than that share is not offered new borrows (its committed work goes
+   on). Every token of a mixed iteration waits out the whole iteration, and on a mixture of experts
+   even a 64-token chunk reads every expert (on gpt-oss-120b it adds 13 ms to a 4 ms step), so the
+   *share* of such tokens, not each iteration's length, decides whether the token-weighted ITL tail
+   moves: a p99 does not move while well under 1 % of the tokens see a mixed step. With
+   ``mixed_share_rescue`` a request may still borrow past the budget when its normal path misses the
+   TTFT SLO by the estimate, the borrow meets it, and more than that share of the recent requests
+   (decayed over the same window) were late on their normal path: plain PD is then failing the SLO,
+   and lending buys SLO-met requests, not faster ones in a burst the queue drains by itself.
 4. Admission control (``shed_ttft_factor``): a congested request whose fastest path (normal, or any
    lease that can hold it) is estimated past ``shed_ttft_factor x`` the TTFT SLO is shed: refused at
    arrival, counted as an SLO miss (it stays in the SLO denominator, ``envs.metrics``) and never as
@@ -38,12 +50,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from policies.context import CostEstimator, PolicyContext
 from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
+from policies.node_state import NodeState
 from policies.path import (
     PathDecision,
     PathPolicy,
@@ -62,7 +76,40 @@ DEFAULT_SHED_TTFT_FACTOR = 2.0
 """``lease-shed`` sheds a congested request whose fastest path is estimated past twice the TTFT SLO."""
 DEFAULT_PREFIX_REUSE_SHARE = 0.5
 """A decode node caching at least this share of a prompt is offered it even when the pool is not short."""
+DEFAULT_MIXED_SHARE_WINDOW_S = 60.0
+"""Time constant of the decayed window over which a node's mixed-iteration token share is counted."""
+DEFAULT_MIXED_SHARE_BUDGET = 0.0025
+"""The catalog's ``lease`` path keeps each node's mixed-iteration token share within 0.25 %: a
+quarter of the 1 % of tokens above a p99, so the token-weighted ITL p99 stays put (docs/compare.md,
+"Do no harm at 4P2D")."""
+DEFAULT_MIXED_SHARE_RESCUE = 0.15
+"""... and rescues late requests past it while more than 15 % of recent requests are late on their
+normal path (plain PD failing a 90 % SLO target with a margin for bursts)."""
 Congestion = Literal["capacity", "wait"]
+
+
+class DecayedSum:
+    """A sum of values decayed exponentially with time constant ``tau_s`` (a windowed rate)."""
+
+    __slots__ = ("t_s", "tau_s", "total")
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self.total = 0.0
+        self.t_s = -math.inf
+
+    def value(self, now_s: float) -> float:
+        if now_s <= self.t_s or self.t_s == -math.inf:
+            return self.total
+        return self.total * math.exp(-(now_s - self.t_s) / self.tau_s)
+
+    def add(self, now_s: float, x: float) -> None:
+        self.total = self.value(now_s) + x
+        self.t_s = max(self.t_s, now_s)
+
+    def rate(self, now_s: float) -> float:
+        """Per second over the window."""
+        return self.value(now_s) / self.tau_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +133,12 @@ class LeasePath(PathPolicy):
         arrival_window_s: time constant of the arriving-work rate (default: the TTFT SLO).
         prefix_reuse_share: decode-side prefix reuse (module docstring, rule 1b); ``None``: off.
         shed_ttft_factor: admission control (module docstring, rule 4); ``None``: off.
+        mixed_share_budget: the mixed-iteration share budget per node (module docstring, rule 3b), a
+            share of its decode tokens in [0, 1); ``None``: off.
+        mixed_share_window_s: time constant of that share's decayed window.
+        mixed_share_rescue: share of recent requests late on their normal path past which a late
+            request may borrow past the budget where that meets its TTFT SLO (rule 3b); ``None``:
+            never.
     """
 
     uses_leases = True
@@ -103,8 +156,28 @@ class LeasePath(PathPolicy):
         arrival_window_s: float | None = None,
         prefix_reuse_share: float | None = None,
         shed_ttft_factor: float | None = None,
+        mixed_share_budget: float | None = None,
+        mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
+        mixed_share_rescue: float | None = None,
     ) -> None:
         super().__init__()
+        if mixed_share_budget is not None and not 0 <= mixed_share_budget < 1:
+            raise ValueError(f"mixed_share_budget must be in [0, 1) or None, got {mixed_share_budget!r}")
+        if not 0 < mixed_share_window_s < math.inf:
+            raise ValueError(f"mixed_share_window_s must be finite and > 0, got {mixed_share_window_s!r}")
+        if mixed_share_rescue is not None and not (0 <= mixed_share_rescue < 1 and slo_ttft_s < math.inf):
+            raise ValueError(
+                f"mixed_share_rescue must be in [0, 1) with a finite slo_ttft_s, got {mixed_share_rescue!r}"
+            )
+        self.mixed_share_budget = mixed_share_budget
+        self.mixed_share_window_s = mixed_share_window_s
+        self.mixed_share_rescue = mixed_share_rescue
+        self.slo_ttft_s = slo_ttft_s
+        self._tokens: dict[int, tuple[DecayedSum, DecayedSum]] = {}
+        """node -> (decode tokens, of them mixed) over the decayed window (rule 3b)."""
+        self._requests = DecayedSum(mixed_share_window_s)
+        self._late = DecayedSum(mixed_share_window_s)
+        """Requests seen, and of them late on their normal path, over the same window."""
         if shed_ttft_factor is not None and not (shed_ttft_factor >= 1 and slo_ttft_s < math.inf):
             raise ValueError(
                 "shed_ttft_factor must be >= 1 with a finite slo_ttft_s, "
@@ -146,6 +219,45 @@ class LeasePath(PathPolicy):
             self._arrived_tokens *= math.exp(-(now_s - self._arrived_s) / self.arrival_window_s)
         self._arrived_tokens += q.normal_uncached_tokens
         self._arrived_s = max(self._arrived_s, now_s)
+
+    def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
+        """Every control interval: fold each node's interval token counts into its decayed window."""
+        super().observe(now_s, states)
+        if self.mixed_share_budget is None:
+            return
+        for s in states:
+            decode, mixed = self._tokens.setdefault(
+                s.node_id, (DecayedSum(self.mixed_share_window_s), DecayedSum(self.mixed_share_window_s))
+            )
+            decode.add(now_s, s.recent_decode_tokens)
+            mixed.add(now_s, s.recent_mixed_decode_tokens)
+
+    def mixed_share(self, node_id: int) -> float:
+        """Share of ``node_id``'s decode tokens over the decayed window that came out of iterations with
+        borrowed or local prefill mixed in (0 before any were observed, and with the budget off)."""
+        if node_id not in self._tokens:
+            return 0.0
+        decode, mixed = self._tokens[node_id]
+        return mixed.total / decode.total if decode.total > 0 else 0.0
+
+    def over_mixed_share(self, node_id: int) -> bool:
+        """Whether ``node_id`` is past its mixed-iteration share budget (rule 3b; never with it off)."""
+        return self.mixed_share_budget is not None and self.mixed_share(node_id) > self.mixed_share_budget
+
+    def late_share(self) -> float:
+        """Share of the recent requests (decayed over ``mixed_share_window_s``) whose normal-path
+        estimate missed the TTFT SLO (counted only with ``mixed_share_rescue``)."""
+        return self._late.total / self._requests.total if self._requests.total > 0 else 0.0
+
+    def within_mixed_share(self, est_normal_s: float, nodes: list[int]) -> list[int]:
+        """Of ``nodes``, those a request with normal-path estimate ``est_normal_s`` may be offered under
+        the mixed-iteration share budget (rule 3b): every node for a request ``mixed_share_rescue``
+        may rescue (late while plain PD is failing the SLO; ``choose`` then keeps only options past a
+        budget that meet the TTFT SLO), otherwise the nodes within their budget."""
+        late = est_normal_s > self.slo_ttft_s
+        if self.mixed_share_rescue is not None and late and self.late_share() > self.mixed_share_rescue:
+            return nodes
+        return [n for n in nodes if not self.over_mixed_share(n)]
 
     def prefix_nodes(self, q: PathQuery, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those whose decode prefix cache holds at least ``prefix_reuse_share`` of the
@@ -214,6 +326,9 @@ class LeasePath(PathPolicy):
     def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> PathDecision:
         est_normal_s = normal_path_estimate_s(self.cost, q)
         congested = self.congestion_reason(q, now_s)
+        if self.mixed_share_rescue is not None:
+            self._requests.add(now_s, 1.0)
+            self._late.add(now_s, 1.0 if est_normal_s > self.slo_ttft_s else 0.0)
         nodes = ledger.node_ids()
         if congested is None:
             nodes = self.prefix_nodes(q, nodes)
@@ -222,7 +337,24 @@ class LeasePath(PathPolicy):
                 return PathDecision(
                     "normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED
                 )
-        options = [o for n in nodes if (o := self._borrow_option(q, n, now_s, ledger)) is not None]
+        allowed = self.within_mixed_share(est_normal_s, nodes)
+        if nodes and not allowed:
+            reason = (
+                "every lease is on a node past its mixed-iteration share budget "
+                f"({max(self.mixed_share(n) for n in nodes):.4f} > {self.mixed_share_budget})"
+            )
+            return PathDecision(
+                "normal", None, None, est_normal_s, None, reason, PathReason.MIXED_SHARE_BUDGET
+            )
+        options = [o for n in allowed if (o := self._borrow_option(q, n, now_s, ledger)) is not None]
+        # a late request borrows past a node's budget only where that buys an SLO-met first token
+        kept = [o for o in options if o.est_s <= self.slo_ttft_s or not self.over_mixed_share(o.node_id)]
+        if options and not kept:
+            reason = "late, but no lease past its mixed-iteration share budget meets the TTFT SLO"
+            return PathDecision(
+                "normal", None, None, est_normal_s, None, reason, PathReason.MIXED_SHARE_BUDGET
+            )
+        options = kept
         if congested is not None and self.shed_limit_s < math.inf:
             best_any_s = min([est_normal_s, *(o.est_s for o in options)])
             if best_any_s > self.shed_limit_s:
@@ -292,6 +424,9 @@ def _make_lease_path(
     arrival_window_s: float | None = None,
     prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
     shed_ttft_factor: float | None = None,
+    mixed_share_budget: float | None = DEFAULT_MIXED_SHARE_BUDGET,
+    mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
+    mixed_share_rescue: float | None = DEFAULT_MIXED_SHARE_RESCUE,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -304,6 +439,9 @@ def _make_lease_path(
         arrival_window_s=arrival_window_s,
         prefix_reuse_share=prefix_reuse_share,
         shed_ttft_factor=shed_ttft_factor,
+        mixed_share_budget=mixed_share_budget,
+        mixed_share_window_s=mixed_share_window_s,
+        mixed_share_rescue=mixed_share_rescue,
     )
 
 
@@ -319,9 +457,13 @@ register_path_policy(
 __all__ = [
     "DEFAULT_BORROW_MARGIN",
     "DEFAULT_CONGESTION_WAIT_S",
+    "DEFAULT_MIXED_SHARE_BUDGET",
+    "DEFAULT_MIXED_SHARE_RESCUE",
+    "DEFAULT_MIXED_SHARE_WINDOW_S",
     "DEFAULT_PREFIX_REUSE_SHARE",
     "DEFAULT_SHED_TTFT_FACTOR",
     "DEFAULT_TTFT_SHARE",
+    "DecayedSum",
     "LeasePath",
     "prefill_pool_tokens_per_s",
 ]

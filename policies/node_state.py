@@ -53,6 +53,13 @@ class NodeState:
     their KV has arrived (0 when the reporter does not know)."""
     prealloc_waiting_output_tokens: int = 0
     """Expected output tokens of those requests: the KV they will grow by once they decode."""
+    recent_decode_tokens: int = 0
+    """Decode tokens the node's iterations produced over the last control interval (0 when unknown)."""
+    recent_mixed_decode_tokens: int = 0
+    """Of ``recent_decode_tokens``, those produced by iterations that mixed in borrowed or local
+    (unleased) prefill: every such token waits out the whole mixed iteration, so their share over a
+    window is the share of the node's tokens that lending put in the ITL tail (a re-prefill after a
+    retraction, which plain PD runs too, does not count)."""
     remaining_output_tokens_max: float | None = None
     """Longest remaining output (expected) of the running requests: when the batch is gone. ``None``
     when the reporter does not know; read as ``remaining_output_tokens_mean`` (every request ends

@@ -52,6 +52,7 @@ class PathReason(StrEnum):
     LOCAL_NOT_FASTER = "local does not beat the prefill path"
     NO_NODE_STATE = "no decode node state yet"
     SHED = "shed: past capacity, no path meets the TTFT SLO"
+    MIXED_SHARE_BUDGET = "every lease is on a node past its mixed-iteration share budget"
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,7 @@ from policies.lease_path import (
     DEFAULT_PREFIX_REUSE_SHARE,
     DEFAULT_SHED_TTFT_FACTOR,
     DEFAULT_TTFT_SHARE,
+    DecayedSum,
     LeasePath,
     prefill_pool_tokens_per_s,
 )
@@ -176,30 +177,6 @@ def action_to_knobs(action: np.ndarray) -> Knobs:
         lo, hi = getattr(KNOB_RANGES, name)
         v[name] = float(lo + (hi - lo) * (a[i] + 1.0) / 2.0)
     return Knobs(v["lease_share"], v["wait_share"], min(v["borrow_margin"], 0.99), v["shed_factor"])
-
-
-class DecayedSum:
-    """A sum of values decayed exponentially with time constant ``tau_s`` (a windowed rate)."""
-
-    __slots__ = ("t_s", "tau_s", "total")
-
-    def __init__(self, tau_s: float) -> None:
-        self.tau_s = tau_s
-        self.total = 0.0
-        self.t_s = -math.inf
-
-    def value(self, now_s: float) -> float:
-        if now_s <= self.t_s or self.t_s == -math.inf:
-            return self.total
-        return self.total * math.exp(-(now_s - self.t_s) / self.tau_s)
-
-    def add(self, now_s: float, x: float) -> None:
-        self.total = self.value(now_s) + x
-        self.t_s = max(self.t_s, now_s)
-
-    def rate(self, now_s: float) -> float:
-        """Per second over the window."""
-        return self.value(now_s) / self.tau_s
 
 
 def _unit(x: float) -> float:

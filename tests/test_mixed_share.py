@@ -1,0 +1,161 @@
+"""The mixed-iteration share budget (``LeasePath.mixed_share_budget``) on hand-built states, and the
+token counts the simulator reports for it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from policies.lease_path import LeasePath
+from policies.ledger import LeaseLedger
+from policies.node_policies import HeuristicPolicy
+from policies.path import PathReason
+from policies.scheduler import ClusterScheduler
+from tests.fakes import ConstantPredictor
+from tests.test_scheduler import FakeCost, calm, query
+
+
+def budget_path(budget: float | None = 0.01, **kw: object) -> LeasePath:
+    return LeasePath(
+        FakeCost(),
+        congestion="wait",
+        slo_ttft_s=5.0,
+        mixed_share_budget=budget,
+        **{"mixed_share_window_s": 10.0, **kw},  # type: ignore[arg-type]
+    )
+
+
+def scheduler_with(path: LeasePath, safe_tokens_per_s: float = 20_000.0) -> ClusterScheduler:
+    policy = HeuristicPolicy(ConstantPredictor(safe_tokens_per_s), ttl_s=1.0, margin=1.0)
+    return ClusterScheduler(policy, LeaseLedger(), FakeCost(), path=path, control_interval_s=0.5)
+
+
+def test_share_is_counted_per_node_over_a_decayed_window() -> None:
+    path = budget_path()
+    path.observe(0.0, [calm(0, recent_decode_tokens=1000, recent_mixed_decode_tokens=20), calm(1)])
+    assert path.mixed_share(0) == pytest.approx(0.02)
+    assert path.mixed_share(1) == 0.0  # no tokens seen: nothing to protect yet
+    # 10 s later (one time constant) 1000 clean tokens: the old ones count e^-1
+    path.observe(10.0, [calm(0, recent_decode_tokens=1000), calm(1)])
+    decay = math.exp(-1.0)
+    assert path.mixed_share(0) == pytest.approx(20 * decay / (1000 * decay + 1000))
+    # with the budget off nothing is counted
+    off = budget_path(None)
+    off.observe(0.0, [calm(0, recent_decode_tokens=1000, recent_mixed_decode_tokens=900)])
+    assert off.mixed_share(0) == 0.0 and not off.over_mixed_share(0)
+
+
+def test_a_node_past_its_budget_is_not_offered_while_one_within_it_is() -> None:
+    path = budget_path(0.01)
+    sched = scheduler_with(path)
+    busy = calm(0, recent_decode_tokens=1000, recent_mixed_decode_tokens=50)  # 5 % of its tokens
+    clean = calm(1, recent_decode_tokens=1000, recent_mixed_decode_tokens=5)  # 0.5 %
+    sched.on_control_interval(0.0, [busy, clean])
+    d = sched.choose_path(query(1, wait_s=2.0), 0.0)
+    assert d.path == "borrow" and d.node_id == 1
+    # without the budget the same request goes to node 0 (the tie between equal nodes breaks low)
+    free = scheduler_with(budget_path(None))
+    free.on_control_interval(0.0, [busy, clean])
+    assert free.choose_path(query(1, wait_s=2.0), 0.0).node_id == 0
+
+
+def test_every_node_past_its_budget_sends_the_request_the_normal_way_with_its_reason() -> None:
+    sched = scheduler_with(budget_path(0.01))
+    over = [calm(n, recent_decode_tokens=1000, recent_mixed_decode_tokens=30) for n in (0, 1)]
+    sched.on_control_interval(0.0, over)
+    d = sched.choose_path(query(1, wait_s=2.0), 0.0)
+    assert d.path == "normal" and d.code is PathReason.MIXED_SHARE_BUDGET and "0.0300 > 0.01" in d.reason
+    assert sched.ledger.held(0).is_zero() and sched.ledger.held(1).is_zero()
+    # the share decays as clean tokens come: after enough of them the node lends again
+    sched.on_control_interval(
+        30.0, [replace(s, recent_decode_tokens=4000, recent_mixed_decode_tokens=0) for s in over]
+    )
+    assert sched.path.mixed_share(0) < 0.01  # type: ignore[attr-defined]
+    assert sched.choose_path(query(2, wait_s=2.0), 30.0).path == "borrow"
+
+
+def rescue_path() -> LeasePath:
+    return budget_path(0.01, mixed_share_rescue=0.25)
+
+
+def test_a_late_request_may_pass_the_budget_while_plain_pd_fails_the_slo_and_where_it_meets_it() -> None:
+    over = [calm(n, recent_decode_tokens=1000, recent_mixed_decode_tokens=30) for n in (0, 1)]
+    path = rescue_path()
+    sched = scheduler_with(path, safe_tokens_per_s=200_000.0)  # leases hold 200k prefill tokens
+    sched.on_control_interval(0.0, over)
+    # a first late request (6 s of queue + 0.5 s > 5 s) among none: 100 % of recent requests late
+    d = sched.choose_path(query(1, wait_s=6.0), 0.0)
+    assert path.late_share() == 1.0 and d.path == "borrow"
+    # a request the normal path serves in time keeps to the budget whatever the others do
+    d = sched.choose_path(query(2, wait_s=2.0), 0.0)
+    assert d.path == "normal" and d.code is PathReason.MIXED_SHARE_BUDGET
+    # a late request the lease cannot bring within the SLO either (120k tokens: 6 s) is not rescued,
+    # though the lease holds it and beats the normal path
+    d = sched.choose_path(query(3, wait_s=20.0, input_tokens=120_000), 0.0)
+    assert d.path == "normal" and d.code is PathReason.MIXED_SHARE_BUDGET and "late" in d.reason
+    free = scheduler_with(budget_path(None), safe_tokens_per_s=200_000.0)
+    free.on_control_interval(0.0, over)
+    assert free.choose_path(query(3, wait_s=20.0, input_tokens=120_000), 0.0).path == "borrow"
+    # a burst: one late request after 9 on time (10 % late, under the 25 % line) keeps to the budget
+    burst_path = rescue_path()
+    burst = scheduler_with(burst_path, safe_tokens_per_s=200_000.0)
+    burst.on_control_interval(0.0, over)
+    for i in range(9):
+        burst.choose_path(query(10 + i, wait_s=1.0), 0.0)
+    d = burst.choose_path(query(20, wait_s=6.0), 0.0)
+    assert burst_path.late_share() == pytest.approx(0.1) and d.code is PathReason.MIXED_SHARE_BUDGET
+
+
+def test_bad_budget_settings_are_refused() -> None:
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="mixed_share_budget"):
+            budget_path(bad)
+    with pytest.raises(ValueError, match="mixed_share_window_s"):
+        budget_path(0.01, mixed_share_window_s=0.0)
+    with pytest.raises(ValueError, match="mixed_share_rescue"):
+        budget_path(0.01, mixed_share_rescue=1.5)
+    with pytest.raises(ValueError, match="mixed_share_rescue"):
+        LeasePath(FakeCost(), mixed_share_budget=0.01, mixed_share_rescue=0.25)  # no SLO to be late for
+
+
+def test_the_simulator_counts_the_tokens_of_iterations_with_lent_prefill() -> None:
+    from tests.test_fair_simulator import _lending_sim
+
+    # node 0 never lends (static), nodes 1 and 2 run the heuristic
+    sim = _lending_sim(seed=1, predictor_tokens_per_s=30_000.0, ttl_s=2.0, zero_node=True)
+    decode, mixed = [0, 0, 0], [0, 0, 0]
+    t = 0.0
+    while sim.step_until(t):
+        for s in sim.tick_node_states:
+            decode[s.node_id] += s.recent_decode_tokens
+            mixed[s.node_id] += s.recent_mixed_decode_tokens
+        t += 0.5
+    assert sim.counters.borrowed_prefill_tokens > 0
+    assert 0 < sum(mixed) < sum(decode)
+    assert decode[0] > 0 and mixed[0] == 0  # it decodes, but never mixes lent prefill in
+    # every token an iteration produced is counted once, in the interval it was produced in (the
+    # histogram also holds the gaps of re-prefills after retractions, which iterations do not produce)
+    for w in sim.decode:
+        retracted = sum(r.retractions for r in sim.reqs if r.decode_worker == w.idx)
+        assert decode[w.idx] + w.decode_tokens == w.itl.tokens - retracted
+
+
+def test_the_catalogs_heuristic_runs_the_budget_with_the_rescue_by_default() -> None:
+    from envs.cluster_config import ClusterConfig
+    from envs.estimator import ClusterEstimator
+    from policies.catalog import make_scheduler
+    from policies.context import PolicyContext
+    from policies.lease_path import DEFAULT_MIXED_SHARE_BUDGET, DEFAULT_MIXED_SHARE_RESCUE
+    from tests.fakes import LinearCostModel
+
+    cfg = ClusterConfig()
+    ctx = PolicyContext(ClusterEstimator(cfg, LinearCostModel()), cfg, ConstantPredictor(1e4))  # type: ignore[arg-type]
+    for name in ("heuristic", "heuristic-shed"):
+        sched = make_scheduler(name, ctx, {})
+        assert sched is not None and isinstance(sched.path, LeasePath)
+        assert sched.path.mixed_share_budget == DEFAULT_MIXED_SHARE_BUDGET
+        assert sched.path.mixed_share_rescue == DEFAULT_MIXED_SHARE_RESCUE
+    off = make_scheduler("heuristic", ctx, {"path.mixed_share_budget": None, "path.mixed_share_rescue": None})
+    assert off is not None and off.path.mixed_share_budget is None  # type: ignore[attr-defined]
