@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 from importlib.metadata import entry_points
@@ -316,6 +317,63 @@ def test_the_lease_caps_each_local_prefill_step_by_the_running_batch(
         assert max(steps) == 384 and len(steps) == 8, "the row of a batch of two"
     else:
         assert max(steps) > 384, "the token bucket alone takes bigger steps"
+    assert scheduler.retracted == 0
+
+
+def _shape(batch: sg.ScheduleBatch | None) -> tuple[bool, int] | None:
+    """``(a decode step, its requests)`` when it ran (the running batch object changes later)."""
+    return None if batch is None else (batch.forward_mode.is_decode(), len(batch.reqs))
+
+
+def test_the_node_reports_the_decode_tokens_that_waited_for_local_prefill(installed: sg.HookRegistry) -> None:
+    """``NodeState.recent_decode_tokens`` / ``recent_mixed_decode_tokens`` (what the lease path's
+    mixed-share budget reads): every token the running batch got since the last report, and those
+    whose step came right after a local EXTEND step (they waited it out)."""
+    scheduler, cluster = _worker(kv_tokens=40_000, chunked_prefill_size=512)
+    assert _lease(scheduler, ttl_s=4.0)
+    cluster.run(20, [(0, _req("p1", 200, 400, borrowed=False)), (0, _req("p2", 300, 400, borrowed=False))])
+    node = _node(scheduler)
+    node.node_state()  # a new window; the plugin records an iteration when the next one is selected,
+    ran = [_shape(scheduler.last_batch)]  # so the window holds this last one, then the 40 below
+    scheduler._add_request_to_queue(_req("b1", 3_000, 5, borrowed=True))
+    ran += [_shape(cluster.step()) for _ in range(40)]
+    cluster.step()  # records the 40th
+    decode_tokens = mixed_tokens = 0
+    after_extend = False
+    for shape in ran:
+        if shape is None:
+            continue
+        decoding, tokens = shape
+        if decoding:
+            decode_tokens += tokens
+            mixed_tokens += tokens if after_extend else 0
+            after_extend = False
+        else:
+            after_extend = True
+    state = node.node_state()
+    assert mixed_tokens > 0 and decode_tokens > mixed_tokens, "the prompt ran in several EXTEND steps"
+    assert (state.recent_decode_tokens, state.recent_mixed_decode_tokens) == (decode_tokens, mixed_tokens)
+    later = node.node_state()
+    assert later.recent_decode_tokens <= len(scheduler.running_batch.reqs), "a new window"
+
+
+def test_decoding_requests_get_a_token_between_any_two_local_prefill_steps(
+    installed: sg.HookRegistry,
+) -> None:
+    """Decode wins: without ``--enable-mixed-chunk`` a running batch waits out at most one local
+    EXTEND step per token (the plugin alternates them), as with a mixed iteration in the simulator."""
+    scheduler, cluster = _worker(kv_tokens=40_000, chunked_prefill_size=512)
+    assert _lease(scheduler, ttl_s=4.0)
+    cluster.run(20, [(0, _req("p1", 200, 400, borrowed=False)), (0, _req("p2", 300, 400, borrowed=False))])
+    prompt = _req("b1", 3_000, 5, borrowed=True)
+    scheduler._add_request_to_queue(prompt)
+    steps = []
+    while not prompt.finished() and len(steps) < 100:
+        before = len(cluster.extend_tokens)
+        batch = cluster.step()
+        steps.append("extend" if len(cluster.extend_tokens) > before else "decode" if batch else "idle")
+    assert prompt.finished() and steps.count("extend") == 6, steps
+    assert all(a != "extend" or b != "extend" for a, b in itertools.pairwise(steps)), steps
     assert scheduler.retracted == 0
 
 

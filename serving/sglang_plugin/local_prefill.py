@@ -11,8 +11,11 @@ One ``LocalPrefill`` lives on each scheduler process of a decode worker (``node_
   EXTEND batch is built from the local queue by SGLang's own ``get_new_batch_prefill`` (the local queue
   presented as ``waiting_queue``, the chunk capped by the token bucket) instead of a decode step when
   the bucket has a useful chunk of credit, decode comes first (``borrowed_start_blocked``) and the KV
-  fits (``prealloc_fits`` with every active request's reserved decode tokens); queued requests whose
-  reservation was revoked or expired are aborted with 503; otherwise SGLang's own decode step runs;
+  fits (``prealloc_fits`` with every active request's reserved decode tokens), sized by the lease's
+  per-iteration cap for the running batch (``ChunkLimits``); without ``--enable-mixed-chunk`` a local
+  EXTEND step is always followed by a decode step of the running batch, so its tokens wait out at most
+  one EXTEND step (the simulator's mixed iteration); queued requests whose reservation was revoked or
+  expired are aborted with 503; otherwise SGLang's own decode step runs;
 * **KV accounting** (``held_out_kv_tokens``): what PD pre-allocation must leave free for borrowed work
   (un-started reservations, the rest of an in-flight chunked prefill, reserved decode tokens of local
   requests between their EXTEND step and the merge);
@@ -80,17 +83,37 @@ class _StepStats:
     """Steps that emitted a token for the running batch (decode, or an EXTEND step mixed with it)."""
     pure_decode_ns: int = 0
     pure_decode_steps: int = 0
+    decode_tokens: int = 0
+    """Tokens the running batch received (``NodeState.recent_decode_tokens``)."""
+    mixed_decode_tokens: int = 0
+    """Of those, tokens whose step had local prefill in it: a mixed step's, and a decode step's right
+    after one or more local EXTEND steps (each of its tokens waited the EXTEND out)."""
+    after_local_extend: bool = False
 
-    def record(self, now_ns: int, kind: str | None) -> None:
+    def record(self, now_ns: int, kind: str | None, tokens: int = 0, *, local: bool = False) -> None:
+        """The iteration that just ended ran ``kind`` (``_last_step_kind``) and gave the running batch
+        ``tokens`` tokens; ``local``: it was the plugin's own EXTEND batch (borrowed prefill)."""
         if self.last_ns is not None and kind is not None:
             step = now_ns - self.last_ns
             self.total_ns += step
             if kind in ("decode", "mixed"):
                 self.decode_steps += 1
+                self.decode_tokens += tokens
+                if kind == "mixed" or self.after_local_extend:
+                    self.mixed_decode_tokens += tokens
+                self.after_local_extend = False
             if kind == "decode":
                 self.pure_decode_ns += step
                 self.pure_decode_steps += 1
+            if kind == "extend" and local:
+                self.after_local_extend = True
         self.last_ns = now_ns
+
+    def take_tokens(self) -> tuple[int, int]:
+        """``(decode tokens, mixed decode tokens)`` since the last call, then start a new window."""
+        tokens = (self.decode_tokens, self.mixed_decode_tokens)
+        self.decode_tokens = self.mixed_decode_tokens = 0
+        return tokens
 
     def take(self) -> tuple[float, float]:
         """``(mean time between tokens of the running batch, mean decode-only step)`` in seconds, then
@@ -225,22 +248,33 @@ class LocalPrefill:
     def select(self, original: Callable[..., Any], running_batch: Any) -> Any:
         """``get_next_disagg_decode_batch_to_run``: a local EXTEND batch, or SGLang's decode step."""
         local_ns = self.api.monotonic_ns()
-        self._steps.record(local_ns, self._last_step_kind())
+        kind = self._last_step_kind()
+        batch = self.scheduler.last_batch
+        tokens = 0
+        if kind == "decode":
+            tokens = len(batch.reqs)
+        elif kind == "mixed":
+            tokens = len(batch.decoding_reqs)
+        local = batch is not None and batch is self.batch
+        self._steps.record(local_ns, kind, tokens, local=local)
+        decode_owed = kind == "extend" and local
         if self.metrics is not None:  # gauges, on one rank: the local clock is good enough
             self.metrics.update(self, local_ns * 1e-9, local_ns)
         if self.disabled or not self._busy():
             return original(self.scheduler, running_batch)
         plan = None
         if self.queue or self.batch is not None or self._local_chunked() is not None:
-            plan, running_batch = self._decide(running_batch)
+            plan, running_batch = self._decide(running_batch, decode_owed=decode_owed)
         else:
             self._release_finished()  # only started requests, decoding: nothing to decide
         return plan if plan is not None else self._sglang_decode_step(original, running_batch)
 
-    def _decide(self, running_batch: Any) -> tuple[Any, Any]:
+    def _decide(self, running_batch: Any, *, decode_owed: bool = False) -> tuple[Any, Any]:
         """``(plan, running batch)`` for this iteration when borrowed work is queued or in flight (see
         the module docstring); a None plan: SGLang's decode step, on the running batch returned (the
-        last local EXTEND batch merged into it)."""
+        last local EXTEND batch merged into it). ``decode_owed``: the last step was a local EXTEND that
+        decoded nothing, so a running batch gets its decode step now (one EXTEND between two of its
+        tokens at most: the simulator's mixed iteration)."""
         scheduler = self.scheduler
         now_s = self._now_s()
         self._drop_lapsed(now_s)
@@ -250,6 +284,8 @@ class LocalPrefill:
             scheduler.process_pending_chunked_abort()  # as the normal loop does first, every step
         running_batch = self._merge_returned_batch(running_batch)
         self._release_finished()
+        if decode_owed and running_batch.reqs:
+            return None, running_batch
         chunk_tokens, candidates = self._plan(running_batch, now_s)
         if chunk_tokens > 0:
             return self._run_extend(running_batch, chunk_tokens, candidates, now_s), running_batch
@@ -515,6 +551,7 @@ class LocalPrefill:
         if chunked is not None:
             queued_tokens += len(chunked.origin_input_ids) - chunked.extend_end
         recent_s, decode_only_s = self._steps.take()
+        decode_tokens, mixed_decode_tokens = self._steps.take_tokens()
         drain = drain_features(contexts.tolist(), remaining.tolist())
         return NodeState(
             node_id=self.config.node_id,
@@ -537,6 +574,8 @@ class LocalPrefill:
             decode_only_step_time_s=decode_only_s,
             max_running_requests=int(scheduler.max_running_requests),
             recent_decode_only_step_time_s=decode_only_s,
+            recent_decode_tokens=decode_tokens,
+            recent_mixed_decode_tokens=mixed_decode_tokens,
         )
 
     def internal_state(self) -> dict[str, Any]:
