@@ -315,6 +315,10 @@ def test_the_lease_caps_each_local_prefill_step_by_the_running_batch(
     assert sum(steps) == 3_000 and set(batches) == {2}
     if with_limits:
         assert max(steps) == 384 and len(steps) == 8, "the row of a batch of two"
+        plugin = scheduler.get_internal_state(sg.GetInternalStateReq()).internal_state[
+            wire.INTERNAL_STATE_KEY
+        ]
+        assert plugin["chunk_limited"] and plugin["largest_step_beside_decode_tokens"] == 384
     else:
         assert max(steps) > 384, "the token bucket alone takes bigger steps"
     assert scheduler.retracted == 0

@@ -80,6 +80,15 @@ def test_the_checks_catch_what_must_not_happen() -> None:
         "held": {"kv_tokens": 0},
     }
     assert check.check_plugin(state, 2) == []
+    capped = {**state, "chunk_limited": True, "largest_step_beside_decode_tokens": 256}
+    assert check.check_plugin(capped, 2, 256) == []
+    assert any(
+        "over the 256 cap" in p
+        for p in check.check_plugin({**capped, "largest_step_beside_decode_tokens": 300}, 2, 256)
+    )
+    assert any("carries no chunk limits" in p for p in check.check_plugin(state, 2, 256))
+    limits = check.uniform_chunk_limits(256)
+    assert limits.limit(1, 0) == limits.limit(4096, 10**9) == 256 and limits.limit(0, 0) is None
     worse = {**state, "counters": {**state["counters"], "finished": 1, "overspent_tokens": 3}}
     problems = check.check_plugin(worse, 2)
     assert any("finished 1 borrowed requests, expected 2" in p for p in problems)

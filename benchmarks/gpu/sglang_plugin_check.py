@@ -14,7 +14,9 @@ What it does, in order (every process on 127.0.0.1, stopped at the end):
    --enable-metrics``), by default both on GPU 0 with ``--mem-fraction-static 0.35`` each and the
    ``mooncake_tcp`` transfer backend (no RDMA needed); waits for ``/health``;
 2. checks the plugin is loaded and enabled (``/server_info`` -> ``internal_states[0].crossflow``) and
-   installs a lease through ``/set_internal_state`` (what the Crossflow router does for each lease);
+   installs a lease through ``/set_internal_state`` (what the Crossflow router does for each lease),
+   with a per-iteration cap of ``--chunk-cap-tokens`` on borrowed prefill beside a decoding batch
+   (the router sends its node policy's ``ChunkLimits``; here the same cap for every batch);
 3. starts smg 1.13.0 in PD mode over the two workers (the normal path) and a borrow-all forwarder
    that sends every request to the decode worker alone with ``do_local_prefill: true`` and the
    prefill worker's bootstrap fields (what the Crossflow router sends on the borrowed path; it stands
@@ -23,7 +25,8 @@ What it does, in order (every process on 127.0.0.1, stopped at the end):
    replay``: through smg, and through the forwarder (another seed: other prompts);
 5. checks: every request of both replays finished with exactly its trace output length and no
    refusal; the plugin admitted, started and finished every borrowed request, computed their prompts
-   locally and paid no token it had no credit for; ``sglang:num_retracted_requests_total`` is 0.
+   locally, paid no token it had no credit for and never computed more than the cap in one step
+   while requests decoded; ``sglang:num_retracted_requests_total`` is 0.
    It writes ``report.json`` (the figures, the commands, the problems) and exits 1 on any problem.
 """
 
@@ -44,7 +47,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from policies.chunk_limits import ChunkLimits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,6 +77,8 @@ class CheckConfig:
     startup_timeout_s: float = 900.0
     replay_timeout_s: float = 600.0
     lease_ttl_s: float = 3600.0
+    chunk_cap_tokens: int = 256
+    """The lease's cap on one local EXTEND step beside a decoding batch (``ChunkLimits``)."""
     lease: dict[str, int] = field(
         default_factory=lambda: {
             "prefill_tokens": 100_000_000,
@@ -181,11 +189,27 @@ def check_replay(name: str, replay: Mapping[str, Any], expected: int) -> list[st
     return problems
 
 
-def check_plugin(state: Mapping[str, Any], borrowed: int) -> list[str]:
-    """The plugin's own record of the run (``internal_states[0].crossflow`` after it)."""
+def uniform_chunk_limits(cap_tokens: int) -> ChunkLimits:
+    """A lease's ``ChunkLimits`` that caps every borrowed step beside a decoding batch at ``cap_tokens``."""
+    from policies.chunk_limits import ChunkLimits
+
+    return ChunkLimits((1, 1 << 20), (0, 1 << 40), ((cap_tokens, cap_tokens), (cap_tokens, cap_tokens)))
+
+
+def check_plugin(state: Mapping[str, Any], borrowed: int, chunk_cap_tokens: int | None = None) -> list[str]:
+    """The plugin's own record of the run (``internal_states[0].crossflow`` after it); with
+    ``chunk_cap_tokens``, the cap its lease carried."""
     problems = []
     if state.get("disabled"):
         problems.append(f"plugin disabled: {state['disabled']}")
+    if chunk_cap_tokens is not None:
+        largest = state.get("largest_step_beside_decode_tokens", 0)
+        if not state.get("chunk_limited"):
+            problems.append("the plugin's lease carries no chunk limits")
+        if largest > chunk_cap_tokens:
+            problems.append(
+                f"a local step computed {largest} tokens beside decodes, over the {chunk_cap_tokens} cap"
+            )
     counters = state.get("counters", {})
     for name in ("admitted", "started", "finished"):
         if counters.get(name, 0) != borrowed:
@@ -355,7 +379,9 @@ def run(cfg: CheckConfig) -> dict[str, Any]:
             raise RuntimeError("the decode worker's /server_info has no crossflow state: plugin not loaded")
         if plugin_state["disabled"]:
             raise RuntimeError(f"the plugin is disabled on the decode worker: {plugin_state['disabled']}")
-        body = lease_update_body(LeaseBudgets.from_dict(cfg.lease), cfg.lease_ttl_s)
+        body = lease_update_body(
+            LeaseBudgets.from_dict(cfg.lease), cfg.lease_ttl_s, uniform_chunk_limits(cfg.chunk_cap_tokens)
+        )
         updated = httpx.post(
             f"{decode_url}/set_internal_state", json=body, timeout=30.0, trust_env=False
         ).json()
@@ -385,7 +411,7 @@ def run(cfg: CheckConfig) -> dict[str, Any]:
         for name, result in results.items():
             report["problems"] += check_replay(name, result, cfg.max_requests)
             report[f"replay_{name}"] = result["metrics"]
-        report["problems"] += check_plugin(plugin_state, cfg.max_requests)
+        report["problems"] += check_plugin(plugin_state, cfg.max_requests, cfg.chunk_cap_tokens)
         report["problems"] += check_retractions(metrics_text)
         report["plugin"] = plugin_state
         report["retractions"] = retractions(metrics_text)
@@ -408,6 +434,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[CheckConfig, bool]:
         "decode_port",
         "bootstrap_port",
         "max_requests",
+        "chunk_cap_tokens",
     ):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("mem_fraction", "load", "startup_timeout_s", "replay_timeout_s"):

@@ -152,6 +152,9 @@ class LocalPrefill:
     disabled: str | None = None
     counters: dict[str, int] = field(default_factory=dict)
     _steps: _StepStats = field(default_factory=_StepStats)
+    largest_step_beside_decode_tokens: int = 0
+    """The most prompt tokens one local EXTEND step computed while requests were decoding (what the
+    lease's ``ChunkLimits`` bound; the GPU check reads it)."""
 
     def __post_init__(self) -> None:
         self.admission = LocalPrefillAdmission(node_id=self.config.node_id, burst_s=self.config.burst_s)
@@ -499,6 +502,8 @@ class LocalPrefill:
             logger.warning("local EXTEND computed %d tokens with %d of credit", computed, spend)
             self._count("overspent_tokens", computed - spend)
         self.admission.spend(spend, now_s)
+        if running_batch.reqs:
+            self.largest_step_beside_decode_tokens = max(self.largest_step_beside_decode_tokens, computed)
         self._count("local_prefill_tokens", computed)
         self._count("extend_batches")
         self.api.set_schedule_time_batch(batch)
@@ -586,6 +591,8 @@ class LocalPrefill:
             "lease": None if lease is None else lease.to_dict(),
             "held": self.admission.held().to_dict(),
             "bucket_credit_tokens": self.admission.bucket.credit_tokens,
+            "chunk_limited": self.admission.chunk_limits is not None,
+            "largest_step_beside_decode_tokens": self.largest_step_beside_decode_tokens,
             "queued": len(self.queue),
             "started": len(self.started),
             "disabled": self.disabled,
