@@ -95,7 +95,9 @@ ROUTER_CHARS_PER_TOKEN = 4
 
 
 class SchedulerHooks(Protocol):
-    """What the simulator needs from ``policies.ClusterScheduler``."""
+    """What the simulator needs from ``policies.ClusterScheduler``. A scheduler may also offer
+    ``replay_control_interval(now_s) -> bool`` (``ClusterScheduler`` does): the simulator then asks it
+    to repeat an interval whose node states are unchanged apart from the clock (``Simulator._on_tick``)."""
 
     def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> Any: ...
 
@@ -226,7 +228,21 @@ class Simulator:
         self.finished = 0
         self.counters = Counters()
         self.tick_node_states: list[NodeState] = []
-        """The decode nodes' states the scheduler was handed at the last control interval."""
+        """The decode nodes' states the scheduler was handed at the last control interval (after a
+        replayed interval, those of the interval before: equal apart from ``time_s``)."""
+        self._replay_interval: Callable[[float], bool] | None = getattr(
+            scheduler, "replay_control_interval", None
+        )
+        """The scheduler's ``replay_control_interval``, if it has one (``_on_tick``)."""
+        self._states_unchanged = False
+        """No decode node's state can have changed, apart from its clock, since the last control
+        interval: set at the end of an interval that leaves every node idle and free of borrowed and
+        local work, with no iteration run in the interval before it; cleared by every event but a
+        prefill iteration that completes no prompt (only a completion changes what a decode node
+        reports: the KV pre-allocated for requests still prefilling)."""
+        self.ticks = 0
+        self.ticks_replayed = 0
+        """Control intervals run, and those of them the scheduler replayed."""
         self.rejected_context = 0
         self._decode_terms: dict[int, tuple[float, float]] = {}
         self._event_kind = _EV_RELEASE
@@ -299,20 +315,22 @@ class Simulator:
             t, kind, _, a, b = heapq.heappop(events)
             self.now_s = t
             self._event_kind = kind
-            if kind == _EV_DECODE:
-                self._on_decode_done(a, b)
-            elif kind == _EV_PREFILL:
+            if kind == _EV_PREFILL:
                 self._on_prefill_done(a)
-            elif kind == _EV_TRANSFER:
-                self._on_transfer_done(a)
-            elif kind == _EV_RELEASE:
-                self._on_arrival(a)
-            elif kind == _EV_BORROW:
-                self._on_borrow_arrival(a)
-            elif kind == _EV_WAKE:
-                self._on_wake(a)
-            else:
+            elif kind == _EV_TICK:
                 self._on_tick()
+            else:
+                self._states_unchanged = False
+                if kind == _EV_DECODE:
+                    self._on_decode_done(a, b)
+                elif kind == _EV_TRANSFER:
+                    self._on_transfer_done(a)
+                elif kind == _EV_RELEASE:
+                    self._on_arrival(a)
+                elif kind == _EV_BORROW:
+                    self._on_borrow_arrival(a)
+                else:
+                    self._on_wake(a)
             if progress is not None and self.finished - last_reported >= 256:
                 progress(self.finished - last_reported)
                 last_reported = self.finished
@@ -363,6 +381,7 @@ class Simulator:
         req = self.reqs[rid]
         req.arrival_s = self.now_s
         self._event_kind = _EV_RELEASE  # handled as a trace arrival at this instant would be
+        self._states_unchanged = False
         if self.scheduler is not None:
             self._start_ticks()
         if prefill_worker is not None:
@@ -735,6 +754,7 @@ class Simulator:
             landed_s = self._link_transfer(pw, self.decode[req.decode_worker], max(0, req.done - lo))
             req.sent_upto = req.done
             if req.done >= req.input:
+                self._states_unchanged = False
                 pw.queue.remove(req)
                 pw.cache.insert(req.rid)
                 self._push(landed_s, _EV_TRANSFER, req.rid, 0)
@@ -1287,9 +1307,22 @@ class Simulator:
         return [self._node_state(w, waiting) for w in self.decode]
 
     def _on_tick(self) -> None:
+        """A control interval: the scheduler sees every node's state and republishes the leases.
+
+        When no node's state can have changed since the last interval apart from its clock
+        (``_states_unchanged``), a scheduler with ``replay_control_interval`` repeats that interval
+        without the states being built or any policy asked (it says whether it can); what follows
+        here, the token buckets, the node timeline and the idle check, runs either way."""
         assert self.scheduler is not None
-        self.tick_node_states = self.node_states()
-        revoked = set(self.scheduler.on_control_interval(self.now_s, self.tick_node_states) or ())
+        self.ticks += 1
+        replay = self._replay_interval
+        if self._states_unchanged and replay is not None and replay(self.now_s):
+            self.ticks_replayed += 1
+            revoked: set[int] = set()
+        else:
+            self.tick_node_states = self.node_states()
+            revoked = set(self.scheduler.on_control_interval(self.now_s, self.tick_node_states) or ())
+        ran = False
         for w in self.decode:
             rate, expires_s = self.scheduler.lease_rate(w.idx)
             w.bucket.set_lease(self.now_s, rate, expires_s)
@@ -1298,6 +1331,7 @@ class Simulator:
                     w.borrowed.remove(req)
                     self._fallback(req)
             self.node_timeline.append((self.now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
+            ran = ran or w.step_count > 0
             w.step_time_ns = 0
             w.decode_only_ns = 0
             w.step_count = 0
@@ -1305,8 +1339,17 @@ class Simulator:
             w.mixed_decode_tokens = 0
             if (w.borrowed and rate > 0) or w.local:
                 self._kick_decode(w)
-        if self.scheduler.reconsiders_waiting:
+        reconsiders = self.scheduler.reconsiders_waiting
+        if reconsiders:
             self._reconsider_waiting()
+        # The next interval sees these states again (its recent step times are zero as these were).
+        self._states_unchanged = (
+            not ran
+            and not revoked
+            and not reconsiders
+            and self.listener is None
+            and all(not w.busy and not w.borrowed and not w.local for w in self.decode)
+        )
         # An idle cluster needs no control ticks: the next arrival restarts them.
         idle = all(
             not w.busy and not w.borrowed and not w.local and not w.waiting and not w.retracted

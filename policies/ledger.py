@@ -265,6 +265,11 @@ class LeaseLedger:
         with self._lock:
             return bool(self._by_node.get(node_id))
 
+    def has_reservations(self) -> bool:
+        """Whether any reservation (committed or not) is active on any node."""
+        with self._lock:
+            return bool(self._active)
+
     def pending_ids(self, node_id: int) -> list[int]:
         """Active, un-committed reservation ids on ``node_id`` in id order."""
         with self._lock:

@@ -156,7 +156,9 @@ class PathPolicy(ABC):
 
     def __init__(self) -> None:
         self.states: dict[int, NodeState] = {}
-        """The latest ``NodeState`` of each decode node (empty before the first control interval)."""
+        """The latest ``NodeState`` of each decode node (empty before the first control interval;
+        after an interval the scheduler replayed, those of the interval before, equal to the current
+        ones apart from ``time_s``: see ``observes_only_states``)."""
 
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         """Each control interval: the decode nodes' states. Overrides must call this one."""
@@ -180,6 +182,16 @@ class PathPolicy(ABC):
         """For a request still waiting on its prefill worker: a ``local`` decision to move it, or
         ``None`` to leave it (only called when ``reconsiders_waiting``)."""
         return None
+
+
+def observes_only_states(policy: PathPolicy) -> bool:
+    """Whether ``policy`` keeps ``PathPolicy``'s own control-interval hooks: ``plan`` scales nothing
+    and ``observe`` only stores the states. For such a policy an interval whose states equal the last
+    one's apart from their clock changes nothing, so the scheduler may replay it without calling
+    either (``ClusterScheduler.replay_control_interval``). A policy that overrides either hook (one
+    that reads the clock or keeps state of its own, as ``LearnedPath`` does) is never replayed."""
+    cls = type(policy)
+    return cls.plan is PathPolicy.plan and cls.observe is PathPolicy.observe
 
 
 class NormalOnly(PathPolicy):
@@ -228,6 +240,7 @@ __all__ = [
     "PathReason",
     "make_path_policy",
     "normal_path_estimate_s",
+    "observes_only_states",
     "path_policy_names",
     "register_path_policy",
 ]

@@ -37,7 +37,7 @@ from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
 from policies.node_policies import NodePolicy
 from policies.node_state import NodeState
-from policies.path import PathDecision, PathPolicy, PathQuery
+from policies.path import PathDecision, PathPolicy, PathQuery, observes_only_states
 from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
 _STATE_KEY = attrgetter(*(f.name for f in fields(NodeState) if f.name != "time_s"))
@@ -158,6 +158,10 @@ class ClusterScheduler:
         ``propose``."""
         self._arrived: set[int] = set()
         """Un-started reservations whose task has reached its node (so ``NodeState`` counts them)."""
+        self._replay: list[tuple[int, NodePolicy, LeaseBudgets | None]] | None = None
+        """What the last control interval did to each node's lease, in node order (``(node, its
+        policy, budgets published)``; budgets ``None``: revoked to zero), when repeating that interval
+        with the same states is exact (``replay_control_interval``); ``None`` when it is not."""
 
     def policy_for(self, node_id: int) -> NodePolicy:
         if self._single_policy is not None:
@@ -182,12 +186,15 @@ class ClusterScheduler:
         the path policy then observes ``states``.
         """
         with self._lock:
+            replayable = observes_only_states(self.path)
             if not self.path.uses_leases:
                 self.path.observe(now_s, states)
+                self._replay = [] if replayable else None
                 return []
             ledger = self.ledger
             revoked = ledger.expire(now_s)
-            self._update_itl_guard(states)
+            replayable = self._update_itl_guard(states) and replayable
+            replay: list[tuple[int, NodePolicy, LeaseBudgets | None]] = []
             shares = self.path.plan(now_s, states) or {}
             for state in _by_node_id(states):
                 node_id = state.node_id
@@ -208,11 +215,14 @@ class ClusterScheduler:
                 if pressure is not None:
                     node_revoked = ledger.revoke(node_id, now_s)
                     lease_budgets = LeaseBudgets.zero()
+                    replay.append((node_id, policy, None))
                 elif not ledger.has_active(node_id):  # nothing held or pending: the headroom is the lease
                     lease_budgets = headroom
                     ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
                     node_revoked = []
+                    replay.append((node_id, policy, lease_budgets))
                 else:
+                    replayable = False
                     pending = ledger.pending_ids(node_id)
                     reflected = ledger.held(node_id, committed=True) + LeaseBudgets.total(
                         ledger.held_by(rid) for rid in pending if rid in self._arrived
@@ -237,7 +247,39 @@ class ClusterScheduler:
                     )
             self._arrived.intersection_update(self.ledger.active_ids())
             self.path.observe(now_s, states)
+            self._replay = replay if replayable and not revoked else None
             return sorted(revoked)
+
+    def replay_control_interval(self, now_s: float) -> bool:
+        """Repeat the last control interval at ``now_s`` without asking any policy, for a caller whose
+        node states are those it handed then apart from their clock; ``False`` (nothing done) when a
+        repeat would not be exact, and the caller then calls ``on_control_interval``.
+
+        A repeat is exact when the last interval found the scheduler at a fixed point: the ITL guard
+        unchanged by it, a path policy that only stores the states (``policies.path.observes_only_
+        states``), nothing revoked, and no reservation held or pending on any node (nor made since).
+        Node policies are pure functions of the state apart from its clock, so every node gets the same
+        lease again: the same ledger calls in the same order, so a new epoch and the granted-token sums
+        exactly as ``on_control_interval`` would make them. No lease transition is recorded (none
+        happens) and nothing is revoked. The path policy keeps the states it was last handed.
+        """
+        with self._lock:
+            replay = self._replay
+            if (
+                replay is None
+                or self._arrived
+                or self.ledger.has_reservations()
+                or not observes_only_states(self.path)
+                or any(self.policy_for(node_id) is not policy for node_id, policy, _ in replay)
+            ):
+                return False
+            ledger = self.ledger
+            for node_id, policy, budgets in replay:
+                if budgets is None:
+                    ledger.revoke(node_id, now_s)
+                else:
+                    ledger.publish(node_id, budgets, now_s, policy.ttl_s)
+            return True
 
     def _propose(self, policy: NodePolicy, state: NodeState) -> tuple[LeaseBudgets, str | None]:
         """``(policy.propose(state), policy.decode_pressure(state))`` (the pressure ``None`` for a policy
@@ -270,18 +312,23 @@ class ClusterScheduler:
             proposal = policy.propose(state)
         return "policy proposes no lease" if proposal.is_zero() else None
 
-    def _update_itl_guard(self, states: Sequence[NodeState]) -> None:
+    def _update_itl_guard(self, states: Sequence[NodeState]) -> bool:
+        """One interval of the ITL guard; True when it left the guard's scales as they were (so the
+        same states again would leave them so too)."""
         if self.itl_guard is None:
-            return
+            return True
         if self.itl_guard == "slo":
+            unchanged = True
             for s in states:
                 budget_s = getattr(self.policy_for(s.node_id), "itl_budget_s", None)
                 if budget_s is None:
                     continue
                 scale = self.node_scale.get(s.node_id, 1.0)
                 over = s.recent_step_time_s > budget_s
-                self.node_scale[s.node_id] = scale * 0.5 if over else min(1.0, scale + 0.1)
-            return
+                new_scale = scale * 0.5 if over else min(1.0, scale + 0.1)
+                self.node_scale[s.node_id] = new_scale
+                unchanged = unchanged and new_scale == scale
+            return unchanged
         mixed = decode_only = 0.0
         for s in states:
             # the same iterations without prefill when the node reports it, else the current batch's step
@@ -290,12 +337,14 @@ class ClusterScheduler:
                 mixed += s.decode_batch_size * s.recent_step_time_s
                 decode_only += s.decode_batch_size * baseline
         if decode_only <= 0:
-            return
+            return True
+        before = (self.itl_inflation, self.lend_scale)
         self.itl_inflation = 0.7 * self.itl_inflation + 0.3 * (mixed / decode_only)
         if self.itl_inflation > self.itl_guard:
             self.lend_scale *= 0.5
         else:
             self.lend_scale = min(1.0, self.lend_scale + 0.1)
+        return (self.itl_inflation, self.lend_scale) == before
 
     # ---- path choice --------------------------------------------------------------------------------
     def choose_path(self, q: PathQuery, now_s: float) -> PathDecision:

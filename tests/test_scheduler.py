@@ -304,3 +304,71 @@ def test_unchanged_states_reuse_the_proposal_and_decode_pressure_and_keep_republ
     sched.on_control_interval(1.5, [calm(0, kv_used_tokens=9_000), calm(1)])
     assert Counting.calls == 6
     assert sched.ledger.lease(0).budgets == sched.policy_for(0).propose(calm(0, kv_used_tokens=9_000))  # type: ignore[union-attr]
+
+
+def test_a_replayed_interval_publishes_what_a_full_one_would() -> None:
+    """At a fixed point (nothing reserved, the ITL guard at rest, a path policy that only stores the
+    states) a replayed interval leaves the ledger exactly as a full one with the same states: the
+    same epochs, budgets, expiries and granted tokens, and no lease record. A node under decode
+    pressure is revoked again."""
+    full, replayed = make_scheduler(), make_scheduler()
+    idle, pressed = calm(0, recent_step_time_s=0.0), calm(1, queued_decode_requests=3)
+    for sched in (full, replayed):
+        sched.on_control_interval(0.0, [idle, calm(1)])
+        sched.on_control_interval(0.5, [replace(idle, time_s=0.5), replace(pressed, time_s=0.5)])
+    assert replayed.replay_control_interval(1.0)
+    full.on_control_interval(1.0, [replace(idle, time_s=1.0), replace(pressed, time_s=1.0)])
+    for node in (0, 1):
+        assert replayed.ledger.lease(node) == full.ledger.lease(node)
+        granted = replayed.ledger.granted_prefill_tokens(node, 1.7)
+        assert granted == full.ledger.granted_prefill_tokens(node, 1.7)
+    assert replayed.ledger.lease(1).budgets.is_zero()  # type: ignore[union-attr]
+    assert replayed.ledger.lease(0).epoch == 2  # type: ignore[union-attr]
+    assert replayed.ledger.granted_prefill_tokens(0, 1.7) > 0
+    assert list(replayed.records) == list(full.records)
+
+
+def test_an_interval_is_replayed_only_at_a_fixed_point() -> None:
+    """A reservation held or made since, an ITL guard still recovering, or a path policy with its own
+    ``plan`` refuses a replay (the caller then runs the interval in full)."""
+    from policies.path import PathPolicy
+
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0, recent_step_time_s=0.0)])
+    assert sched.ledger.reserve(0, LeaseBudgets(prefill_tokens=100, tasks=1), 0.1) is not None
+    assert not sched.replay_control_interval(0.5)
+    sched.on_control_interval(0.5, [calm(0, recent_step_time_s=0.0)])
+    assert not sched.replay_control_interval(1.0)  # the interval itself saw the reservation
+
+    class Guarded:  # the heuristic's leases under an ITL budget of 50 ms
+        ttl_s = 1.0
+        itl_budget_s = 0.05
+        inner = HeuristicPolicy(ConstantPredictor(20_000.0), ttl_s=1.0, margin=1.0)
+
+        def propose(self, state: NodeState) -> LeaseBudgets:
+            return self.inner.propose(state)
+
+    budget_s = Guarded.itl_budget_s
+    slow = ClusterScheduler(Guarded(), LeaseLedger(), FakeCost(), control_interval_s=0.5)  # type: ignore[arg-type]
+    slow.on_control_interval(0.0, [calm(0, recent_step_time_s=2 * budget_s)])
+    assert slow.node_scale[0] == 0.5 and not slow.replay_control_interval(0.5)
+    t_s = 0.0
+    while slow.node_scale[0] < 1.0:  # recovering by 0.1 an interval (up to 1 exactly) is no fixed point
+        t_s += 0.5
+        slow.on_control_interval(t_s, [calm(0, recent_step_time_s=0.0)])
+        assert not slow.replay_control_interval(t_s + 0.5)
+    slow.on_control_interval(t_s + 0.5, [calm(0, recent_step_time_s=0.0)])  # at rest
+    assert slow.replay_control_interval(t_s + 1.0)
+
+    class Planning(PathPolicy):
+        uses_leases = True
+
+        def plan(self, now_s: float, states: Any) -> dict[int, float]:
+            return {0: 0.5}
+
+        def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> Any:
+            raise AssertionError
+
+    planned = make_scheduler(path=Planning())
+    planned.on_control_interval(0.0, [calm(0, recent_step_time_s=0.0)])
+    assert not planned.replay_control_interval(0.5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from envs.cluster_config import ClusterConfig, parse_shape
@@ -12,6 +13,7 @@ from envs.metrics import weighted_quantile
 from envs.prefix_cache import PrefixCache, PrefixIndex
 from envs.request import Request
 from envs.simulator import Simulator, simulate
+from policies.scheduler import ClusterScheduler
 from tests.fakes import ConstantPredictor, LinearCostModel, open_trace, session_trace
 
 
@@ -260,3 +262,47 @@ def test_conservation_with_borrowing_and_revocations() -> None:
     assert sim.counters.fallbacks == paths["fallback"]
     assert sim.counters.borrowed_prefill_tokens > 0
     assert not scheduler.ledger.active_ids()  # every reservation was released
+
+
+def test_replayed_control_intervals_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control intervals that see every decode node idle and unchanged since the last one (including
+    intervals that only prefill iterations separate) are replayed by the scheduler, and the run is
+    identical to one where every interval runs in full: requests, metrics, node timeline, granted
+    tokens, counters and the scheduler's records."""
+    from train.experiment import Point, build_scheduler, prepare_trace, session_rate
+
+    point = Point(policy="heuristic", trace="agent", max_requests=6, session_rate_per_s=0.02)
+    trace = prepare_trace(point)
+    config, cost_model = point.cluster(), point.cost_model()
+    busy_prefill_at_replay = []
+    replay = ClusterScheduler.replay_control_interval
+
+    def watched(self: ClusterScheduler, now_s: float) -> bool:
+        busy_prefill_at_replay.append(any(pw.busy for pw in sims[0].prefill))
+        return replay(self, now_s)
+
+    monkeypatch.setattr(ClusterScheduler, "replay_control_interval", watched)
+    sims = []
+    for replays in (True, False):
+        sim = Simulator(
+            trace,
+            config,
+            scheduler=build_scheduler(point.policy, config, cost_model),
+            cost_model=cost_model,
+            session_rate_per_s=session_rate(point, trace),
+        )
+        if not replays:
+            sim._replay_interval = None
+        sims.append(sim)
+        sim.run()
+    replayed, full = sims
+    assert replayed.ticks == full.ticks and full.ticks_replayed == 0
+    assert 0 < replayed.ticks_replayed < replayed.ticks
+    assert any(busy_prefill_at_replay)  # prefill iterations between intervals do not prevent a replay
+    a, b = replayed.result(), full.result()
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    assert a.metrics == b.metrics
+    assert replayed.node_timeline == full.node_timeline
+    assert replayed.granted_prefill_tokens() == full.granted_prefill_tokens()
+    assert replayed.counters == full.counters
+    assert list(replayed.scheduler.records) == list(full.scheduler.records)  # type: ignore[union-attr]
