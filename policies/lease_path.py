@@ -220,6 +220,8 @@ class LeasePath(PathPolicy):
         self._arrived_tokens += q.normal_uncached_tokens
         self._arrived_s = max(self._arrived_s, now_s)
 
+    observe_replayable = True  # its observe reads now_s and the token counts, never a state's time_s
+
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         """Every control interval: fold each node's interval token counts into its decayed window."""
         super().observe(now_s, states)

@@ -160,6 +160,10 @@ class PathPolicy(ABC):
         after an interval the scheduler replayed, those of the interval before, equal to the current
         ones apart from ``time_s``: see ``observes_only_states``)."""
 
+    observe_replayable: ClassVar[bool] = False
+    """An override of ``observe`` that never reads the states' ``time_s``, so a replayed interval may
+    call it again with the last states (``observes_only_states``)."""
+
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         """Each control interval: the decode nodes' states. Overrides must call this one."""
         self.states = {s.node_id: s for s in states}
@@ -185,13 +189,14 @@ class PathPolicy(ABC):
 
 
 def observes_only_states(policy: PathPolicy) -> bool:
-    """Whether ``policy`` keeps ``PathPolicy``'s own control-interval hooks: ``plan`` scales nothing
-    and ``observe`` only stores the states. For such a policy an interval whose states equal the last
-    one's apart from their clock changes nothing, so the scheduler may replay it without calling
-    either (``ClusterScheduler.replay_control_interval``). A policy that overrides either hook (one
-    that reads the clock or keeps state of its own, as ``LearnedPath`` does) is never replayed."""
+    """Whether ``policy`` keeps ``PathPolicy``'s own ``plan`` (it scales nothing) and an ``observe``
+    that a replay may repeat: ``PathPolicy``'s own (it only stores the states), or one whose class
+    sets ``observe_replayable`` (it reads ``now_s`` and the states but never their ``time_s``). For
+    such a policy an interval whose states equal the last one's apart from their clock is the last
+    one again, so the scheduler may replay it (``ClusterScheduler.replay_control_interval``), handing
+    ``observe`` the last states. A policy with its own ``plan`` (``LearnedPath``) is never replayed."""
     cls = type(policy)
-    return cls.plan is PathPolicy.plan and cls.observe is PathPolicy.observe
+    return cls.plan is PathPolicy.plan and (cls.observe is PathPolicy.observe or cls.observe_replayable)
 
 
 class NormalOnly(PathPolicy):

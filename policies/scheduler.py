@@ -261,7 +261,8 @@ class ClusterScheduler:
         Node policies are pure functions of the state apart from its clock, so every node gets the same
         lease again: the same ledger calls in the same order, so a new epoch and the granted-token sums
         exactly as ``on_control_interval`` would make them. No lease transition is recorded (none
-        happens) and nothing is revoked. The path policy keeps the states it was last handed.
+        happens) and nothing is revoked. The path policy keeps the states it was last handed; one whose
+        ``observe`` is ``observe_replayable`` observes them again at ``now_s``.
         """
         with self._lock:
             replay = self._replay
@@ -279,6 +280,8 @@ class ClusterScheduler:
                     ledger.revoke(node_id, now_s)
                 else:
                     ledger.publish(node_id, budgets, now_s, policy.ttl_s)
+            if type(self.path).observe is not PathPolicy.observe:  # an observe_replayable override
+                self.path.observe(now_s, list(self.path.states.values()))
             return True
 
     def _propose(self, policy: NodePolicy, state: NodeState) -> tuple[LeaseBudgets, str | None]:
