@@ -190,9 +190,9 @@ class DecodeWorker:
     decode_only_ns: int = 0
     """What the same iterations would have taken without prefill mixed in."""
     step_count: int = 0
-    decode_tokens: int = 0
-    """Decode tokens this control interval's iterations produced ..."""
-    mixed_decode_tokens: int = 0
+    decode_tokens_total: int = 0
+    """Decode tokens the iterations produced since the start ..."""
+    mixed_decode_tokens_total: int = 0
     """... and of them, those of iterations that mixed in borrowed or local prefill."""
     iterations: int = 0
     """Forward iterations run so far (those inside a jump included)."""

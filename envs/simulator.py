@@ -870,7 +870,7 @@ class Simulator:
                 w.itl.add_many(arr, n, ascending=True)
                 self.counters.itl_slo_miss_tokens += (len(arr) - int(np.searchsorted(arr, slo, "right"))) * n
         w.step_count += len(times)
-        w.decode_tokens += n * len(times)
+        w.decode_tokens_total += n * len(times)
         w.iterations += len(times)
 
     def _on_wake(self, idx: int) -> None:
@@ -1161,7 +1161,7 @@ class Simulator:
         decoding = [r for r in w.running if id(r) not in recomputed]
         self._account(w, w.iter_times_s, [w.iter_decode_only_s], len(decoding))
         if len(recomputed) < len(w.iter_prefill):  # borrowed or local prefill, not only re-prefill
-            w.mixed_decode_tokens += len(decoding)
+            w.mixed_decode_tokens_total += len(decoding)
         for req in decoding:
             w.kv_used += 1
             req.kv_held += 1
@@ -1292,8 +1292,8 @@ class Simulator:
             recent_step_time_s=w.step_time_ns * 1e-9 / steps if steps else 0.0,
             decode_only_step_time_s=decode_only,
             recent_decode_only_step_time_s=w.decode_only_ns * 1e-9 / steps if steps else 0.0,
-            recent_decode_tokens=w.decode_tokens,
-            recent_mixed_decode_tokens=w.mixed_decode_tokens,
+            decode_tokens_total=w.decode_tokens_total,
+            mixed_decode_tokens_total=w.mixed_decode_tokens_total,
             max_running_requests=self.config.max_running_requests,
             kv_prealloc_waiting_tokens=waiting_kv,
             prealloc_waiting_output_tokens=waiting_output,
@@ -1335,8 +1335,6 @@ class Simulator:
             w.step_time_ns = 0
             w.decode_only_ns = 0
             w.step_count = 0
-            w.decode_tokens = 0
-            w.mixed_decode_tokens = 0
             if (w.borrowed and rate > 0) or w.local:
                 self._kick_decode(w)
         reconsiders = self.scheduler.reconsiders_waiting

@@ -174,6 +174,7 @@ class LeasePath(PathPolicy):
         self.mixed_share_rescue = mixed_share_rescue
         self.slo_ttft_s = slo_ttft_s
         self._tokens: dict[int, tuple[DecayedSum, DecayedSum]] = {}
+        self._seen_totals: dict[int, tuple[int, int]] = {}
         """node -> (decode tokens, of them mixed) over the decayed window (rule 3b)."""
         self._requests = DecayedSum(mixed_share_window_s)
         self._late = DecayedSum(mixed_share_window_s)
@@ -223,7 +224,9 @@ class LeasePath(PathPolicy):
     observe_replayable = True  # its observe reads now_s and the token counts, never a state's time_s
 
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
-        """Every control interval: fold each node's interval token counts into its decayed window."""
+        """Every control interval: fold each node's tokens since the last interval (the difference of
+        its running totals; a node seen for the first time, or whose totals went back, counts from 0)
+        into its decayed window."""
         super().observe(now_s, states)
         if self.mixed_share_budget is None:
             return
@@ -231,8 +234,12 @@ class LeasePath(PathPolicy):
             decode, mixed = self._tokens.setdefault(
                 s.node_id, (DecayedSum(self.mixed_share_window_s), DecayedSum(self.mixed_share_window_s))
             )
-            decode.add(now_s, s.recent_decode_tokens)
-            mixed.add(now_s, s.recent_mixed_decode_tokens)
+            seen_decode, seen_mixed = self._seen_totals.get(s.node_id, (0, 0))
+            if s.decode_tokens_total < seen_decode or s.mixed_decode_tokens_total < seen_mixed:
+                seen_decode = seen_mixed = 0  # the node restarted
+            decode.add(now_s, s.decode_tokens_total - seen_decode)
+            mixed.add(now_s, s.mixed_decode_tokens_total - seen_mixed)
+            self._seen_totals[s.node_id] = (s.decode_tokens_total, s.mixed_decode_tokens_total)
 
     def mixed_share(self, node_id: int) -> float:
         """Share of ``node_id``'s decode tokens over the decayed window that came out of iterations with

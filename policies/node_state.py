@@ -53,10 +53,12 @@ class NodeState:
     their KV has arrived (0 when the reporter does not know)."""
     prealloc_waiting_output_tokens: int = 0
     """Expected output tokens of those requests: the KV they will grow by once they decode."""
-    recent_decode_tokens: int = 0
-    """Decode tokens the node's iterations produced over the last control interval (0 when unknown)."""
-    recent_mixed_decode_tokens: int = 0
-    """Of ``recent_decode_tokens``, those produced by iterations that mixed in borrowed or local
+    decode_tokens_total: int = 0
+    """Decode tokens the node's iterations produced since it started (0 when unknown). A running
+    total, so that whoever reads states at any cadence (the router, from agents' reports) gets the
+    tokens between two reads exactly, as their difference."""
+    mixed_decode_tokens_total: int = 0
+    """Of ``decode_tokens_total``, those produced by iterations that mixed in borrowed or local
     (unleased) prefill: every such token waits out the whole mixed iteration, so their share over a
     window is the share of the node's tokens that lending put in the ITL tail (a re-prefill after a
     retraction, which plain PD runs too, does not count)."""

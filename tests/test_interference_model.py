@@ -310,11 +310,23 @@ def test_the_policies_pass_the_drain_features_of_a_node_state() -> None:
             return 123.0
 
     state = NodeState(
-        node_id=0, time_s=0.0, decode_batch_size=2, context_tokens_mean=2000.0, context_tokens_std=1000.0,
-        remaining_output_tokens_mean=30.0, kv_capacity_tokens=100_000, kv_used_tokens=4000,
-        kv_reserved_tokens=0, queued_decode_requests=0, borrowed_tasks=0, borrowed_prefill_tokens_queued=0,
-        recent_step_time_s=0.0, decode_only_step_time_s=0.01, max_running_requests=8,
-        remaining_output_tokens_max=50.0, remaining_output_tokens_context_weighted=40.0,
+        node_id=0,
+        time_s=0.0,
+        decode_batch_size=2,
+        context_tokens_mean=2000.0,
+        context_tokens_std=1000.0,
+        remaining_output_tokens_mean=30.0,
+        kv_capacity_tokens=100_000,
+        kv_used_tokens=4000,
+        kv_reserved_tokens=0,
+        queued_decode_requests=0,
+        borrowed_tasks=0,
+        borrowed_prefill_tokens_queued=0,
+        recent_step_time_s=0.0,
+        decode_only_step_time_s=0.01,
+        max_running_requests=8,
+        remaining_output_tokens_max=50.0,
+        remaining_output_tokens_context_weighted=40.0,
     )
     assert predict_safe(Recording(), state) == 123.0
     assert seen[-1]["remaining_output_tokens_max"] == 50.0

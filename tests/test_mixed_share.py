@@ -34,24 +34,30 @@ def scheduler_with(path: LeasePath, safe_tokens_per_s: float = 20_000.0) -> Clus
 
 def test_share_is_counted_per_node_over_a_decayed_window() -> None:
     path = budget_path()
-    path.observe(0.0, [calm(0, recent_decode_tokens=1000, recent_mixed_decode_tokens=20), calm(1)])
+    path.observe(0.0, [calm(0, decode_tokens_total=1000, mixed_decode_tokens_total=20), calm(1)])
     assert path.mixed_share(0) == pytest.approx(0.02)
     assert path.mixed_share(1) == 0.0  # no tokens seen: nothing to protect yet
     # 10 s later (one time constant) 1000 clean tokens: the old ones count e^-1
-    path.observe(10.0, [calm(0, recent_decode_tokens=1000), calm(1)])
+    path.observe(10.0, [calm(0, decode_tokens_total=2000, mixed_decode_tokens_total=20), calm(1)])
     decay = math.exp(-1.0)
     assert path.mixed_share(0) == pytest.approx(20 * decay / (1000 * decay + 1000))
+    # the same running totals again (no tokens since) add nothing; totals that went back: a restart
+    before = path.mixed_share(0)
+    path.observe(10.0, [calm(0, decode_tokens_total=2000, mixed_decode_tokens_total=20), calm(1)])
+    assert path.mixed_share(0) == pytest.approx(before)
+    path.observe(10.0, [calm(0, decode_tokens_total=100, mixed_decode_tokens_total=100), calm(1)])
+    assert path.mixed_share(0) == pytest.approx((20 * decay + 100) / (1000 * decay + 1000 + 100))
     # with the budget off nothing is counted
     off = budget_path(None)
-    off.observe(0.0, [calm(0, recent_decode_tokens=1000, recent_mixed_decode_tokens=900)])
+    off.observe(0.0, [calm(0, decode_tokens_total=1000, mixed_decode_tokens_total=900)])
     assert off.mixed_share(0) == 0.0 and not off.over_mixed_share(0)
 
 
 def test_a_node_past_its_budget_is_not_offered_while_one_within_it_is() -> None:
     path = budget_path(0.01)
     sched = scheduler_with(path)
-    busy = calm(0, recent_decode_tokens=1000, recent_mixed_decode_tokens=50)  # 5 % of its tokens
-    clean = calm(1, recent_decode_tokens=1000, recent_mixed_decode_tokens=5)  # 0.5 %
+    busy = calm(0, decode_tokens_total=1000, mixed_decode_tokens_total=50)  # 5 % of its tokens
+    clean = calm(1, decode_tokens_total=1000, mixed_decode_tokens_total=5)  # 0.5 %
     sched.on_control_interval(0.0, [busy, clean])
     d = sched.choose_path(query(1, wait_s=2.0), 0.0)
     assert d.path == "borrow" and d.node_id == 1
@@ -63,14 +69,14 @@ def test_a_node_past_its_budget_is_not_offered_while_one_within_it_is() -> None:
 
 def test_every_node_past_its_budget_sends_the_request_the_normal_way_with_its_reason() -> None:
     sched = scheduler_with(budget_path(0.01))
-    over = [calm(n, recent_decode_tokens=1000, recent_mixed_decode_tokens=30) for n in (0, 1)]
+    over = [calm(n, decode_tokens_total=1000, mixed_decode_tokens_total=30) for n in (0, 1)]
     sched.on_control_interval(0.0, over)
     d = sched.choose_path(query(1, wait_s=2.0), 0.0)
     assert d.path == "normal" and d.code is PathReason.MIXED_SHARE_BUDGET and "0.0300 > 0.01" in d.reason
     assert sched.ledger.held(0).is_zero() and sched.ledger.held(1).is_zero()
     # the share decays as clean tokens come: after enough of them the node lends again
     sched.on_control_interval(
-        30.0, [replace(s, recent_decode_tokens=4000, recent_mixed_decode_tokens=0) for s in over]
+        30.0, [replace(s, decode_tokens_total=5000, mixed_decode_tokens_total=30) for s in over]
     )
     assert sched.path.mixed_share(0) < 0.01  # type: ignore[attr-defined]
     assert sched.choose_path(query(2, wait_s=2.0), 30.0).path == "borrow"
@@ -81,7 +87,7 @@ def rescue_path() -> LeasePath:
 
 
 def test_a_late_request_may_pass_the_budget_while_plain_pd_fails_the_slo_and_where_it_meets_it() -> None:
-    over = [calm(n, recent_decode_tokens=1000, recent_mixed_decode_tokens=30) for n in (0, 1)]
+    over = [calm(n, decode_tokens_total=1000, mixed_decode_tokens_total=30) for n in (0, 1)]
     path = rescue_path()
     sched = scheduler_with(path, safe_tokens_per_s=200_000.0)  # leases hold 200k prefill tokens
     sched.on_control_interval(0.0, over)
@@ -129,8 +135,9 @@ def test_the_simulator_counts_the_tokens_of_iterations_with_lent_prefill() -> No
     t = 0.0
     while sim.step_until(t):
         for s in sim.tick_node_states:
-            decode[s.node_id] += s.recent_decode_tokens
-            mixed[s.node_id] += s.recent_mixed_decode_tokens
+            assert s.decode_tokens_total >= decode[s.node_id], "a running total"
+            decode[s.node_id] = s.decode_tokens_total
+            mixed[s.node_id] = s.mixed_decode_tokens_total
         t += 0.5
     assert sim.counters.borrowed_prefill_tokens > 0
     assert 0 < sum(mixed) < sum(decode)
@@ -139,7 +146,7 @@ def test_the_simulator_counts_the_tokens_of_iterations_with_lent_prefill() -> No
     # histogram also holds the gaps of re-prefills after retractions, which iterations do not produce)
     for w in sim.decode:
         retracted = sum(r.retractions for r in sim.reqs if r.decode_worker == w.idx)
-        assert decode[w.idx] + w.decode_tokens == w.itl.tokens - retracted
+        assert w.decode_tokens_total == w.itl.tokens - retracted and decode[w.idx] <= w.decode_tokens_total
 
 
 def test_the_catalogs_heuristic_runs_the_budget_with_the_rescue_by_default() -> None:

@@ -72,8 +72,16 @@ def test_sampled_drain_features_agree_with_the_checkpoints() -> None:
     recorded checkpoint below it, and none at the first default checkpoint at or past it."""
     steps = (0, 16, 32, 64, 128, 256)
     df = simulate_profiles(
-        "FAKE", "m", 1, 60, seed=3, repeats=1, noise=None, cost_model=FakeCostModel(),
-        chunk_sizes=(64,), checkpoint_steps=steps,
+        "FAKE",
+        "m",
+        1,
+        60,
+        seed=3,
+        repeats=1,
+        noise=None,
+        cost_model=FakeCostModel(),
+        chunk_sizes=(64,),
+        checkpoint_steps=steps,
     )
     cp = df.drop_duplicates(["state_id", "decode_step"])
     assert (df["remaining_output_tokens_max"] >= df["remaining_output_tokens_mean"]).all()

@@ -330,14 +330,14 @@ def _shape(batch: sg.ScheduleBatch | None) -> tuple[bool, int] | None:
 
 
 def test_the_node_reports_the_decode_tokens_that_waited_for_local_prefill(installed: sg.HookRegistry) -> None:
-    """``NodeState.recent_decode_tokens`` / ``recent_mixed_decode_tokens`` (what the lease path's
-    mixed-share budget reads): every token the running batch got since the last report, and those
-    whose step came right after a local EXTEND step (they waited it out)."""
+    """``NodeState.decode_tokens_total`` / ``mixed_decode_tokens_total`` (what the lease path's
+    mixed-share budget reads, as differences): every token the running batch got, and those whose
+    step came right after a local EXTEND step (they waited it out)."""
     scheduler, cluster = _worker(kv_tokens=40_000, chunked_prefill_size=512)
     assert _lease(scheduler, ttl_s=4.0)
     cluster.run(20, [(0, _req("p1", 200, 400, borrowed=False)), (0, _req("p2", 300, 400, borrowed=False))])
     node = _node(scheduler)
-    node.node_state()  # a new window; the plugin records an iteration when the next one is selected,
+    start = node.node_state()  # the plugin records an iteration when the next one is selected,
     ran = [_shape(scheduler.last_batch)]  # so the window holds this last one, then the 40 below
     scheduler._add_request_to_queue(_req("b1", 3_000, 5, borrowed=True))
     ran += [_shape(cluster.step()) for _ in range(40)]
@@ -356,9 +356,11 @@ def test_the_node_reports_the_decode_tokens_that_waited_for_local_prefill(instal
             after_extend = True
     state = node.node_state()
     assert mixed_tokens > 0 and decode_tokens > mixed_tokens, "the prompt ran in several EXTEND steps"
-    assert (state.recent_decode_tokens, state.recent_mixed_decode_tokens) == (decode_tokens, mixed_tokens)
-    later = node.node_state()
-    assert later.recent_decode_tokens <= len(scheduler.running_batch.reqs), "a new window"
+    assert (
+        state.decode_tokens_total - start.decode_tokens_total,
+        state.mixed_decode_tokens_total - start.mixed_decode_tokens_total,
+    ) == (decode_tokens, mixed_tokens)
+    assert node.node_state().decode_tokens_total == state.decode_tokens_total, "reading resets nothing"
 
 
 def test_decoding_requests_get_a_token_between_any_two_local_prefill_steps(

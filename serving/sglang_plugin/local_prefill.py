@@ -84,7 +84,8 @@ class _StepStats:
     pure_decode_ns: int = 0
     pure_decode_steps: int = 0
     decode_tokens: int = 0
-    """Tokens the running batch received (``NodeState.recent_decode_tokens``)."""
+    """Tokens the running batch received since the plugin started (``NodeState.decode_tokens_total``;
+    never reset: the reader takes differences)."""
     mixed_decode_tokens: int = 0
     """Of those, tokens whose step had local prefill in it: a mixed step's, and a decode step's right
     after one or more local EXTEND steps (each of its tokens waited the EXTEND out)."""
@@ -108,12 +109,6 @@ class _StepStats:
             if kind == "extend" and local:
                 self.after_local_extend = True
         self.last_ns = now_ns
-
-    def take_tokens(self) -> tuple[int, int]:
-        """``(decode tokens, mixed decode tokens)`` since the last call, then start a new window."""
-        tokens = (self.decode_tokens, self.mixed_decode_tokens)
-        self.decode_tokens = self.mixed_decode_tokens = 0
-        return tokens
 
     def take(self) -> tuple[float, float]:
         """``(mean time between tokens of the running batch, mean decode-only step)`` in seconds, then
@@ -556,7 +551,6 @@ class LocalPrefill:
         if chunked is not None:
             queued_tokens += len(chunked.origin_input_ids) - chunked.extend_end
         recent_s, decode_only_s = self._steps.take()
-        decode_tokens, mixed_decode_tokens = self._steps.take_tokens()
         drain = drain_features(contexts.tolist(), remaining.tolist())
         return NodeState(
             node_id=self.config.node_id,
@@ -579,8 +573,8 @@ class LocalPrefill:
             decode_only_step_time_s=decode_only_s,
             max_running_requests=int(scheduler.max_running_requests),
             recent_decode_only_step_time_s=decode_only_s,
-            recent_decode_tokens=decode_tokens,
-            recent_mixed_decode_tokens=mixed_decode_tokens,
+            decode_tokens_total=self._steps.decode_tokens,
+            mixed_decode_tokens_total=self._steps.mixed_decode_tokens,
         )
 
     def internal_state(self) -> dict[str, Any]:
