@@ -1040,6 +1040,15 @@ class Simulator:
         req.has_kv = True
 
     @staticmethod
+    def _drop_started_borrowed(w: DecodeWorker, req: ReqState) -> None:
+        """Undo ``_start_on_node`` for a borrowed prefill aborted before its first token (its node's
+        lease ran out under it: ``serving.node_leases.WireLeases``): its KV goes back to the node."""
+        w.kv_used -= req.kv_held
+        w.n_active -= 1
+        req.kv_held = req.context = req.done = req.cached = 0
+        req.started = req.has_kv = False
+
+    @staticmethod
     def _borrowed_remaining(w: DecodeWorker) -> int:
         """Borrowed prefill tokens still to compute on ``w`` (a pulled prefix is not computed)."""
         return sum(r.input - r.done if r.started else r.input - min(r.pull, r.input - 1) for r in w.borrowed)
@@ -1326,9 +1335,12 @@ class Simulator:
         for w in self.decode:
             rate, expires_s = self.scheduler.lease_rate(w.idx)
             w.bucket.set_lease(self.now_s, rate, expires_s)
-            if revoked:  # revoked before they started: back to the normal path now
-                for req in [r for r in w.borrowed if not r.started and r.reservation in revoked]:
+            if revoked:  # back to the normal path now (a node-side scheduler may revoke started ones)
+                running = {r.rid for r, _ in w.iter_prefill}  # an iteration in flight finishes first
+                for req in [r for r in w.borrowed if r.reservation in revoked and r.rid not in running]:
                     w.borrowed.remove(req)
+                    if req.started:
+                        self._drop_started_borrowed(w, req)
                     self._fallback(req)
             self.node_timeline.append((self.now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
             ran = ran or w.step_count > 0

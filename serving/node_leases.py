@@ -19,7 +19,8 @@ pause on arrival has no wire counterpart).
 Hooks the simulator calls (``envs.simulator.SchedulerHooks``):
 
 * ``on_control_interval``: no policy runs; returns the reservations revoked by leases installed since
-  the last interval (and those whose lease expired), which the simulator falls back;
+  the last interval, those whose lease expired, and the started ones on a node whose lease expired
+  (the plugin aborts those before their first token), which the simulator falls back;
 * ``on_task_arrival``: ``run`` while the reservation is spendable, else ``fallback``;
 * start, prefill done, finish, fallback: the reservation's life in the node's ledger;
 * ``borrowed_chunk_tokens``: the installed lease's ``ChunkLimits`` for the running batch (``None``
@@ -98,6 +99,14 @@ class WireLeases:
     def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> list[int]:
         revoked = self._revoked + self.ledger.expire(now_s)
         self._revoked = []
+        # started borrowed work on a node whose lease ran out cannot be paid for: the plugin aborts it
+        # with 503 before its first token (``LocalPrefill._abort_stalled_chunk``); so does this node
+        for node in self.nodes:
+            lease = node.lease()
+            if lease is not None and not lease.is_live(now_s):
+                revoked += [
+                    r for r in self.ledger.active_ids(node.node_id) if self.ledger.status(r) == "committed"
+                ]
         return sorted(set(revoked))
 
     # ---- borrowed requests ------------------------------------------------------------------------

@@ -256,3 +256,38 @@ def test_a_live_borrowed_request_refused_as_it_enters_gets_its_503() -> None:
 
     error = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
     assert error is not None and error[0] == 503
+
+
+def test_a_wire_fed_node_aborts_started_borrowed_work_whose_lease_ran_out() -> None:
+    """As the plugin does (``_abort_stalled_chunk``): a borrowed prompt that started on a lease which
+    then expired with no new one cannot be paid for; at the next control interval it is refused (503
+    before any token, so the router falls back) and its KV goes back to the node, instead of waiting
+    for credit forever."""
+    from serving.node_leases import WireLeases
+
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
+    nodes = WireLeases(1, burst_s=config.control_interval_s)
+    sim = Simulator(Trace("live", [], source="test"), config, scheduler=nodes, cost_model=CostModel(*MODEL))
+    sim.open_ended = sim.refuse_fallbacks = True
+    listener = _Refusals()
+    sim.listener = listener  # type: ignore[assignment]
+    lease = LeaseBudgets(
+        prefill_tokens=2_000, kv_tokens=10**6, transfer_tokens=0, decode_tokens=10**5, tasks=4
+    )
+    nodes.install_lease(0, lease, 0.5, 0.0)  # 4 000 tokens/s for 0.5 s: far from the 20 000 needed
+    sim.decode[0].bucket.set_lease(0.0, *nodes.lease_rate(0))
+    reservation = nodes.ledger.reserve(0, local_prefill_demand(20_000, 10), 0.0)
+    assert reservation is None, "the lease cannot hold the whole prompt"
+    demand = dataclasses.replace(local_prefill_demand(20_000, 10), prefill_tokens=1_000)
+    reservation = nodes.ledger.reserve(0, demand, 0.0)
+    assert reservation is not None
+    sim.inject(
+        Request(0, 0, 0, 0.0, 20_000, 10, -1, 0), decode_worker=0, reservation_id=reservation.reservation_id
+    )
+    sim.step_until(0.45)
+    req = sim.reqs[0]
+    assert req.started and 0 < req.done < req.input and sim.decode[0].kv_used > 0, "it started"
+    sim.step_until(1.0)
+    assert listener.refused == [0] and req.generated == 0 and req.path == 2
+    assert sim.decode[0].kv_used == 0 and sim.decode[0].n_active == 0 and not sim.decode[0].borrowed
+    assert nodes.ledger.active_ids() == []
