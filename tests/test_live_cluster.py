@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,12 +198,9 @@ class _Refusals:
         self.refused.append(req.rid)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("when", ["before-arrival", "while-waiting"])
-def test_a_wire_fed_node_refuses_a_borrowed_request_whose_reservation_lapsed(when: str) -> None:
-    """On a node whose leases come over the wire (``WireLeases``), a borrowed request whose reservation
-    the node revoked (a smaller lease pushed) is refused with 503 before any token, so the router falls
-    back: at its arrival, or while it waits for credit, at the next control interval. (The revoked
-    reservation is closed already; giving it back must not fail.)"""
+def _wire_fed_node() -> tuple[Simulator, Any, _Refusals]:
+    """A one-node cluster whose node installs pushed leases (``WireLeases``), refusing fallbacks as
+    the emulated worker does, with a listener that records the refusals."""
     from serving.node_leases import WireLeases
 
     config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
@@ -211,6 +209,16 @@ def test_a_wire_fed_node_refuses_a_borrowed_request_whose_reservation_lapsed(whe
     sim.open_ended = sim.refuse_fallbacks = True
     listener = _Refusals()
     sim.listener = listener  # type: ignore[assignment]
+    return sim, nodes, listener
+
+
+@pytest.mark.parametrize("when", ["before-arrival", "while-waiting"])
+def test_a_wire_fed_node_refuses_a_borrowed_request_whose_reservation_lapsed(when: str) -> None:
+    """On a node whose leases come over the wire (``WireLeases``), a borrowed request whose reservation
+    the node revoked (a smaller lease pushed) is refused with 503 before any token, so the router falls
+    back: at its arrival, or while it waits for credit, at the next control interval. (The revoked
+    reservation is closed already; giving it back must not fail.)"""
+    sim, nodes, listener = _wire_fed_node()
     lease = LeaseBudgets(
         prefill_tokens=1_000, kv_tokens=10**6, transfer_tokens=0, decode_tokens=10**5, tasks=4
     )
@@ -263,14 +271,7 @@ def test_a_wire_fed_node_aborts_started_borrowed_work_whose_lease_ran_out() -> N
     then expired with no new one cannot be paid for; at the next control interval it is refused (503
     before any token, so the router falls back) and its KV goes back to the node, instead of waiting
     for credit forever."""
-    from serving.node_leases import WireLeases
-
-    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
-    nodes = WireLeases(1, burst_s=config.control_interval_s)
-    sim = Simulator(Trace("live", [], source="test"), config, scheduler=nodes, cost_model=CostModel(*MODEL))
-    sim.open_ended = sim.refuse_fallbacks = True
-    listener = _Refusals()
-    sim.listener = listener  # type: ignore[assignment]
+    sim, nodes, listener = _wire_fed_node()
     lease = LeaseBudgets(
         prefill_tokens=2_000, kv_tokens=10**6, transfer_tokens=0, decode_tokens=10**5, tasks=4
     )
