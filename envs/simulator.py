@@ -537,9 +537,8 @@ class Simulator:
         self.prefill_pool.finished(pw.idx)
         self.decode_pool.finished(w.idx)
         if req.bootstrapped:  # its KV was pre-allocated on the decode worker: give it back
-            w.kv_used -= req.kv_held
-            w.n_active -= 1
-            req.kv_held = req.context = req.d_cached = 0
+            self._give_back_kv(w, req)
+            req.d_cached = 0
             req.bootstrapped = False
         else:
             w.prealloc.remove(req)
@@ -930,10 +929,7 @@ class Simulator:
         """KV ran out: the newest running request gives its KV back and waits to re-prefill."""
         req = max(w.running, key=lambda r: (r.arrival_s, r.rid))
         w.running.remove(req)
-        w.kv_used -= req.kv_held
-        w.n_active -= 1
-        req.kv_held = 0
-        req.context = 0
+        self._give_back_kv(w, req)
         req.has_kv = False
         req.needs_recompute = True
         req.retractions += 1
@@ -1043,10 +1039,17 @@ class Simulator:
     def _drop_started_borrowed(w: DecodeWorker, req: ReqState) -> None:
         """Undo ``_start_on_node`` for a borrowed prefill aborted before its first token (its node's
         lease ran out under it: ``serving.node_leases.WireLeases``): its KV goes back to the node."""
+        Simulator._give_back_kv(w, req)
+        req.done = req.cached = 0
+        req.started = req.has_kv = False
+
+    @staticmethod
+    def _give_back_kv(w: DecodeWorker, req: ReqState) -> None:
+        """``req`` no longer holds KV on decode worker ``w`` (nor counts as active there)."""
         w.kv_used -= req.kv_held
         w.n_active -= 1
-        req.kv_held = req.context = req.done = req.cached = 0
-        req.started = req.has_kv = False
+        req.kv_held = 0
+        req.context = 0
 
     @staticmethod
     def _borrowed_remaining(w: DecodeWorker) -> int:
@@ -1234,10 +1237,7 @@ class Simulator:
         req.finish_s = self.now_s
         if req in w.running:  # a borrowed one-token request finishes straight from its prefill
             w.running.remove(req)
-        w.kv_used -= req.kv_held
-        w.n_active -= 1
-        req.kv_held = 0
-        req.context = 0
+        self._give_back_kv(w, req)
         if w.cache is not None:
             w.cache.insert(req.rid)
             self._make_room(w, 0)

@@ -368,9 +368,8 @@ class LocalPrefillAdmission:
         over the bucket's credit, at most ``max_chunk_tokens`` and the lease's ``chunk_limits`` for
         that batch (``capped_chunk_tokens``, as the simulator caps it); 0 means wait for credit."""
         min_chunk = min_borrowed_chunk_tokens(self.bucket, page_tokens)
-        if self.chunk_limits is not None:
-            limit = self.chunk_limits.limit(decode_batch, decode_context_tokens)
-            max_chunk_tokens = capped_chunk_tokens(limit, max_chunk_tokens, min_chunk)
+        limit = self.chunk_limit(decode_batch, decode_context_tokens)
+        max_chunk_tokens = capped_chunk_tokens(limit, max_chunk_tokens, min_chunk)
         return borrowed_chunk_tokens(
             min(self.bucket.available_tokens(now_s), max_chunk_tokens), remaining_tokens, min_chunk
         )
