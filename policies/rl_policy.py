@@ -29,7 +29,8 @@ what ``greedy-model`` gains over the normal path alone is what the model's estim
 
 Leases are sized by the heuristic node policy with the tuned heuristic's values
 (``PolicySpec.tuned_from``), times ``lease_share``; decode always wins (the heuristic's decode
-pressure rules and ITL budget stay in force whatever the knobs say).
+pressure rules and ITL budget stay in force whatever the knobs say, and so does the path rule's
+budget on the share of mixed iterations, ``policies.lease_path`` rule 3b).
 
 Observation (:data:`FEATURES`, each in [0, 1] before the learned normalisation): the **traffic mix**
 (log of uncached input tokens : expected output tokens arriving, over the last 1 and 5 minutes),
@@ -63,6 +64,8 @@ from policies.catalog import CROSSFLOW_SOURCE, PolicySpec, register_policy
 from policies.context import ClusterView, CostEstimator, PolicyContext
 from policies.lease_path import (
     DEFAULT_BORROW_MARGIN,
+    DEFAULT_MIXED_SHARE_BUDGET,
+    DEFAULT_MIXED_SHARE_RESCUE,
     DEFAULT_PREFIX_REUSE_SHARE,
     DEFAULT_SHED_TTFT_FACTOR,
     DEFAULT_TTFT_SHARE,
@@ -321,6 +324,9 @@ class LearnedPath(LeasePath):
         decision_intervals: the actor runs every this many control intervals (what it was trained
             with, ``decision_intervals`` in the artifact's metadata); the knobs hold in between.
         prefix_reuse_share: decode-side prefix reuse (``LeasePath``).
+        mixed_share_budget, mixed_share_rescue: the mixed-iteration share budget and its rescue
+            (``LeasePath``, rule 3b), on by default as in the heuristic: no knob setting lets a node's
+            share of decode tokens from mixed iterations run past it.
 
     Every call is deterministic in its inputs and the requests seen so far.
     """
@@ -336,6 +342,8 @@ class LearnedPath(LeasePath):
         knobs: Knobs = HEURISTIC_KNOBS,
         decision_intervals: int = 1,
         prefix_reuse_share: float | None = DEFAULT_PREFIX_REUSE_SHARE,
+        mixed_share_budget: float | None = DEFAULT_MIXED_SHARE_BUDGET,
+        mixed_share_rescue: float | None = DEFAULT_MIXED_SHARE_RESCUE,
     ) -> None:
         super().__init__(
             cost,
@@ -343,6 +351,8 @@ class LearnedPath(LeasePath):
             slo_ttft_s=cluster.slo_ttft_s,
             pool_tokens_per_s=pool_tokens_per_s,
             prefix_reuse_share=prefix_reuse_share,
+            mixed_share_budget=mixed_share_budget,
+            mixed_share_rescue=mixed_share_rescue,
         )
         if weights is not None and predictor is None:
             raise ValueError("LearnedPath: a trained policy needs the interference-model predictor")
@@ -356,7 +366,7 @@ class LearnedPath(LeasePath):
         self.weights = weights
         self._mix = {tau: (DecayedSum(tau), DecayedSum(tau)) for tau in (60.0, 300.0)}
         self._work = {tau: DecayedSum(tau) for tau in (10.0, 60.0)}
-        self._requests = DecayedSum(60.0)
+        self._arrivals = DecayedSum(60.0)
         self._decided = DecayedSum(10.0)
         self._borrowed = DecayedSum(10.0)
         self._shed = DecayedSum(10.0)
@@ -409,7 +419,7 @@ class LearnedPath(LeasePath):
             *mix,
             _unit(self._work[10.0].rate(now_s) / pool / 4.0),
             _unit(self._work[60.0].rate(now_s) / pool / 4.0),
-            _unit(math.log1p(self._requests.rate(now_s)) / _LOG_RATE),
+            _unit(math.log1p(self._arrivals.rate(now_s)) / _LOG_RATE),
             _unit(self._last_wait_s / self.slo_ttft_s / 4.0),
             _unit(self._max_wait_s / self.slo_ttft_s / 4.0),
             _unit(sum(kv) / len(kv)),
@@ -440,7 +450,7 @@ class LearnedPath(LeasePath):
             out.add(now_s, q.expected_output_tokens)
         for work in self._work.values():
             work.add(now_s, q.normal_uncached_tokens)
-        self._requests.add(now_s, 1.0)
+        self._arrivals.add(now_s, 1.0)
         self._last_wait_s = q.normal_queue_wait_s
         self._max_wait_s = max(self._max_wait_s, q.normal_queue_wait_s)
         decision = super().choose(q, now_s, ledger)

@@ -159,10 +159,38 @@ def test_the_catalogs_heuristic_runs_the_budget_with_the_rescue_by_default() -> 
 
     cfg = ClusterConfig()
     ctx = PolicyContext(ClusterEstimator(cfg, LinearCostModel()), cfg, ConstantPredictor(1e4))  # type: ignore[arg-type]
-    for name in ("heuristic", "heuristic-shed"):
+    for name in ("heuristic", "heuristic-shed", "rl", "greedy-model"):
         sched = make_scheduler(name, ctx, {})
-        assert sched is not None and isinstance(sched.path, LeasePath)
+        assert sched is not None and isinstance(sched.path, LeasePath), name
         assert sched.path.mixed_share_budget == DEFAULT_MIXED_SHARE_BUDGET
         assert sched.path.mixed_share_rescue == DEFAULT_MIXED_SHARE_RESCUE
     off = make_scheduler("heuristic", ctx, {"path.mixed_share_budget": None, "path.mixed_share_rescue": None})
     assert off is not None and off.path.mixed_share_budget is None  # type: ignore[attr-defined]
+
+
+def test_rl_and_its_ablation_keep_to_the_budget_whatever_their_knobs() -> None:
+    from types import SimpleNamespace
+
+    from policies.lease_path import DEFAULT_MIXED_SHARE_BUDGET
+    from policies.rl_policy import GREEDY_KNOBS, LearnedPath
+
+    cluster = SimpleNamespace(slo_ttft_s=5.0, slo_tpot_s=0.05)
+    # 3 % of each node's tokens came from mixed iterations, past the default budget of 0.25 %
+    over = [calm(n, decode_tokens_total=1000, mixed_decode_tokens_total=30) for n in (0, 1)]
+    assert 0.03 > DEFAULT_MIXED_SHARE_BUDGET
+
+    def scheduler(**kw: object) -> ClusterScheduler:
+        path = LearnedPath(FakeCost(), cluster, pool_tokens_per_s=1e4, knobs=GREEDY_KNOBS, **kw)  # type: ignore[arg-type]
+        sched = scheduler_with(path)
+        sched.on_control_interval(0.0, over)
+        return sched
+
+    # the greedy knobs borrow whenever a lease is faster; the budget still keeps an on-time request off
+    d = scheduler().choose_path(query(1, wait_s=2.0), 0.0)
+    assert d.path == "normal" and d.code is PathReason.MIXED_SHARE_BUDGET
+    assert scheduler(mixed_share_budget=None).choose_path(query(1, wait_s=2.0), 0.0).path == "borrow"
+    # the rescue counts requests apart from the request-rate feature: one request is one arrival
+    sched = scheduler()
+    sched.choose_path(query(2, wait_s=2.0), 0.0)
+    assert sched.path._arrivals.total == pytest.approx(1.0)  # type: ignore[attr-defined]
+    assert sched.path._requests.total == pytest.approx(1.0)  # type: ignore[attr-defined]
