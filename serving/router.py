@@ -461,6 +461,10 @@ class Router:
         self._reservation_nodes: dict[tuple[int, int], int] = {}
         """Active borrow reservations (policy generation, reservation id) -> their node (to label
         revocations; ids of two policies' ledgers may coincide)."""
+        self._all_reported = asyncio.Event()
+        """Set once every decode node's agent has reported (the first control interval runs then)."""
+        self._leases_out = asyncio.Event()
+        """Set once a control interval ran on every decode node's state (``wait_leases_out``)."""
         self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
         self.control = HttpServer(
             self._control_route, config.control_host, config.control_port, keep_alive=True
@@ -686,10 +690,15 @@ class Router:
     async def _control_loop(self, scheduler: SchedulerLike, generation: int) -> None:
         """Control intervals on a fixed grid of wall times (a late wake-up does not shift the ones
         after it, as the simulator's ticks are never shifted); one that falls a whole interval
-        behind restarts the grid from now rather than running the missed ones back to back."""
+        behind restarts the grid from now rather than running the missed ones back to back. The
+        first runs as soon as every decode node has reported (at most one interval after the loop
+        starts), so the leases are out before the first requests come, as in the simulator, whose
+        first control tick publishes them at the instant its first request arrives."""
         interval_s = scheduler.control_interval_s
         wall_interval_s = interval_s * self.config.time_scale
-        due_s = time.perf_counter()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._all_reported.wait(), wall_interval_s)
+        due_s = time.perf_counter() - wall_interval_s
         while True:
             due_s += wall_interval_s
             late_s = time.perf_counter() - due_s
@@ -707,6 +716,20 @@ class Router:
                 with contextlib.suppress(KeyError):
                     self.m_revocations.inc(self._reservation_nodes.pop((generation, rid)))
             self._push_leases(scheduler, now, generation)
+            if len(fresh) == len(self.decode):
+                self._leases_out.set()
+
+    async def wait_leases_out(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s`` wall seconds, until a control interval has run on every decode
+        node's reported state and the leases it published have been pushed to the nodes that take
+        them; whether that happened (never without a scheduler)."""
+        try:
+            await asyncio.wait_for(self._leases_out.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        if self._push_tasks:
+            await asyncio.wait(set(self._push_tasks), timeout=timeout_s)
+        return True
 
     # ---------------------------------------------------------------- leases over the wire
     def _push_leases(self, scheduler: Any, now_s: float, generation: int) -> None:
@@ -802,6 +825,8 @@ class Router:
             if state is None:
                 raise HttpError(400, "field 'node_state' must be an object")
             self._reports[node] = (state, self.now_s())
+            if len(self._reports) == len(self.decode):
+                self._all_reported.set()
             if body.get("takes_leases") is True:
                 self._lease_takers.add(node)
             else:

@@ -2,9 +2,11 @@
 
 ``CrossflowStack`` builds the router's configuration from the cluster (its workers, model, cache and
 routing settings, time scale), starts the router and one lease agent per decode worker reporting
-every control interval, and stops them again. The router's scheduler is its own (its own ledger,
-fed by the agents); the emulated workers' lease, which they re-check on arrival, is the live
-simulator's.
+every control interval, and stops them again. ``start`` returns once the router's first control
+interval (run as soon as every agent reported) has published the leases and pushed them to the
+nodes that take them: the first requests find leases, as with a router that ran before any traffic.
+The router's scheduler is its own (its own ledger, fed by the agents); the emulated workers' lease,
+which they re-check on arrival, is the live simulator's.
 
     with BackgroundCluster(EmulatedCluster(live)) as cluster:
         stack = CrossflowStack(cluster, scheduler=make_scheduler(...), estimator=...)
@@ -64,6 +66,11 @@ scale) a quarter interval is well under a millisecond, and the agents' reads wou
 loop from the requests it serves."""
 
 
+LEASES_OUT_TIMEOUT_S = 5.0
+"""``CrossflowStack.start`` waits this long, past two control intervals, for the first leases (an
+agent that cannot reach its worker leaves the router serving without that node's lease)."""
+
+
 def start_lease_agents(
     router: Router, decode_urls: Sequence[str], control_interval_s: float | None = None
 ) -> list[LeaseAgent]:
@@ -115,6 +122,10 @@ class CrossflowStack:
         await self.router.start()
         interval_s = self.cluster.live.config.control_interval_s if self.router.policy_loader else None
         self.agents = start_lease_agents(self.router, self.cluster.decode_urls, interval_s)
+        scheduler = self.router.scheduler
+        if scheduler is not None and self.agents:  # ready once the first leases are out
+            wall_interval_s = scheduler.control_interval_s * self.router.config.time_scale
+            await self.router.wait_leases_out(2 * wall_interval_s + LEASES_OUT_TIMEOUT_S)
 
     async def stop(self) -> None:
         for agent in self.agents:

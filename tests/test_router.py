@@ -639,6 +639,29 @@ def test_leases_are_pushed_to_workers_that_take_them_and_their_recheck_uses_them
         assert bad.status_code == 400
 
 
+def test_the_stack_is_ready_once_the_first_leases_are_out() -> None:
+    """``CrossflowStack.start`` returns once the router's first control interval, run as soon as every
+    agent reported, has published each node's lease and pushed it to the nodes that take them: the
+    first requests find leases, as in the simulator, whose first control tick publishes them when its
+    first request arrives (before, the router's first interval came a whole interval after it started
+    and a replay started at once borrowed nothing for that long)."""
+    from serving.node_leases import WireLeases
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2)  # the default 0.5 s interval: 2 s of wall time here
+    nodes = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    scheduler = build_scheduler("heuristic", config, cm)
+    with _stack(
+        config, worker_scheduler=nodes, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+    ) as (_, _, stack):
+        now = stack.router.now_s()
+        assert now < config.control_interval_s, "the first interval did not wait a whole interval"
+        for j in range(config.n_decode):
+            lease = scheduler.ledger.lease(j)
+            assert lease is not None and lease.is_live(now) and not lease.budgets.is_zero(), j
+            assert nodes.installs[j] >= 1 and nodes.ledger.lease(j) is not None, f"pushed to node {j}"
+
+
 def test_a_policy_reload_reaches_the_nodes_through_their_next_leases() -> None:
     """Nodes that install pushed leases hold no policy of their own, so a reload on the control plane
     reaches them with the new policy's leases: to a policy without leases, every node's lease is
