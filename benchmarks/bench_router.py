@@ -126,8 +126,8 @@ def simulate_point(point: Point, trace: Trace, *, delay_s: float = 0.0, log: boo
         session_rate_per_s=session_rate(point, trace),
         seed=point.seed,
     )
-    if delay_s and scheduler is not None:
-        sim._start_ticks()  # the control plane runs before the first request, as the router's does
+    if delay_s:
+        sim.start_control_ticks()  # the control plane runs before the first request, as the router's
     result: SimResult = sim.run()
     return result, decisions
 
