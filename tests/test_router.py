@@ -474,12 +474,13 @@ def test_twice_the_clusters_capacity_for_a_bounded_time_loses_no_request() -> No
 def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     """The heuristic policy on 2P4D at twice the trace's load (above static saturation: the prefill
     pool is congested and the policy borrows), 60 requests of the synthetic Mooncake trace: through
-    the router and its lease agents on the emulated cluster, and in ``crossflow simulate``. Input
-    throughput within 10 %, mean TTFT within 20 %, mean ITL within 10 %. The borrowed share only
-    within 20 points, not the 5 aimed at: from run to run the router's share moves by that much
-    (its leases are sized from states its agents report, later and at another phase than the
-    simulator's; ``docs/serving.md``), so that is what is checked (``benchmarks/bench_router.py
-    agree`` runs a larger replay)."""
+    the router and its lease agents on the emulated cluster whose nodes install the router's pushed
+    leases (as ``crossflow serve --router crossflow`` runs them), and in ``crossflow simulate``. Input
+    throughput within 10 %, mean TTFT within 20 %, mean ITL within 10 %, the borrowed share within 10
+    points (5 are aimed at; runs on idle cores came within 3.3, and one request is 1.7 points; the
+    simulator's own share moves by more than that with the phase of its control grid,
+    ``docs/serving.md``). ``benchmarks/bench_router.py agree`` runs the same point with more detail."""
+    from serving.node_leases import WireLeases
     from serving.replay import ReplayConfig, replay
     from train.experiment import Point, prepare_trace, run_point
 
@@ -491,7 +492,7 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     with _stack(
         config,
         scale=6.0,
-        worker_scheduler=build_scheduler("heuristic", config, cm),
+        worker_scheduler=WireLeases(config.n_decode, burst_s=config.control_interval_s),
         scheduler=build_scheduler("heuristic", config, cm),
         estimator=ClusterEstimator(config, cm),
     ) as (_, _, stack):
@@ -504,7 +505,7 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     assert m["input_tokens_per_s"] == pytest.approx(simulated.input_tokens_per_s, rel=0.10)
     assert m["ttft_mean_s"] == pytest.approx(simulated.ttft_mean_s, rel=0.20)
     assert m["itl_mean_s"] == pytest.approx(simulated.itl_mean_s, rel=0.10)
-    assert borrowed_share == pytest.approx(simulated.borrowed_share, abs=0.20)
+    assert borrowed_share == pytest.approx(simulated.borrowed_share, abs=0.10)
 
 
 def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
