@@ -41,6 +41,7 @@ def router_config_for(
         "context_window_tokens": config.context_window_tokens,
         "vocab_size": cost_model.model.vocab,
         "page_tokens": config.page_tokens,
+        "prefill_chunk_tokens": config.prefill_chunk_tokens,
         "kv_capacity_tokens": cost_model.kv_capacity_tokens,
         "decode_prefix_cache": config.decode_prefix_cache,
         "prefill_routing": config.prefill_routing,

@@ -122,6 +122,24 @@ def test_page_trees_and_prefill_queue() -> None:
     assert queue.tokens(3.0) == 0
 
 
+def test_the_prefill_queue_counts_a_running_prompt_by_its_chunks_not_yet_ended() -> None:
+    """A chunked-prefill worker's count of uncomputed tokens (what the simulator's path query reads)
+    drops by a chunk when that chunk's iteration ends, not continuously: the router's estimate does
+    the same (continuously it read half a chunk low on average), with the cluster's chunk size."""
+    from serving.stack import router_config_for
+
+    queue = PrefillQueue(chunk_tokens=100)
+    queue.add(250, 3.0, 0.0)  # chunks of 100, 100 and 50 tokens, a second each
+    queue.add(40, 1.0, 0.0)  # queued behind it: counted whole until it runs
+    assert [queue.tokens(t) for t in (0.0, 0.5, 0.99)] == [290, 290, 290]
+    assert [queue.tokens(t) for t in (1.0, 1.5, 2.5, 3.0, 3.5, 4.0)] == [190, 190, 90, 40, 40, 0]
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        PrefillQueue(chunk_tokens=-1)
+    config = ClusterConfig(n_prefill=1, n_decode=1, prefill_chunk_tokens=4096)
+    routed = router_config_for(config, CostModel(*MODEL), [("http://p", 1)], ["http://d"])
+    assert routed.prefill_chunk_tokens == 4096
+
+
 def test_a_legs_body_is_the_clients_encoded_once_plus_the_legs_fields() -> None:
     from serving.router import _leg_json
 
