@@ -308,8 +308,8 @@ class PrefillQueue:
     A worker computes a prompt in chunks of up to ``chunk_tokens`` and its count drops by a chunk
     when that chunk's iteration ends, so a request being computed counts its chunks not yet ended
     (its time split evenly between them); with ``chunk_tokens`` 0 it counts the share of it not yet
-    done. (Counted continuously, the queue read half a chunk low on average against the worker's
-    own count: 2,000 to 3,500 tokens on the agreement benchmark's 8,192-token chunks.)"""
+    done. Each prompt is timed alone, while a worker packs small prompts into shared iterations, so
+    behind many small prompts the count reads high (``docs/serving.md``, agreement section)."""
 
     def __init__(self, chunk_tokens: int = 0) -> None:
         if chunk_tokens < 0:
