@@ -7,13 +7,21 @@ throughput, mean TTFT, mean ITL and borrowed share, and the router's path decisi
 nodes install the leases the router pushes (``--node-leases wire``, as ``crossflow serve --router
 crossflow`` runs them) or run the policy themselves (``local``).
 
+The simulator's own answer moves with the phase of its control ticks against the arrivals (each
+interval's leases and the mixed-share and ITL-guard rules compound from request to request), so
+``--sim-phases K`` also simulates the point with the control grid shifted by each of K fractions of
+an interval (leases out before the first request, as the router's are) and prints the spread the
+router's figures are to be read against. ``--decisions-out FILE`` writes, per request, both sides'
+path decision and the inputs behind it (queue wait, normal and borrow estimates, each node's
+mixed-iteration share, the late share) as JSON lines, and a per-reason table is printed.
+
 ``overhead``: an emulated 1P1D cluster whose iterations take ``--iteration-us`` wall microseconds
 (``--time-scale`` tiny: workers are nearly instant, so the gateway is what is measured). Sequential
 requests give the added latency per request (p50 and p99 over direct dual dispatch by a client that
 plays the router itself); ``--concurrency`` requests in flight give requests/s at saturation. The
 same for smg 1.13.0 in PD mode when it is installed.
 
-    python benchmarks/bench_router.py agree --requests 150 --load 2 --time-scale 2
+    python benchmarks/bench_router.py agree --requests 60 --load 2 --time-scale 6 --node-leases wire
     python benchmarks/bench_router.py overhead --requests 400 --concurrency 32
 """
 
@@ -22,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import signal
 import socket
 import subprocess
@@ -38,16 +48,130 @@ from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
 from envs.live import LiveCluster
+from envs.metrics import SimResult
+from envs.request import Trace
+from envs.simulator import Simulator
 from serving.gateways import Gateway, GatewaySpec, missing_reason
 from serving.node_leases import WireLeases
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
 from serving.replay import ReplayConfig, replay
 from serving.stack import CrossflowStack
-from train.experiment import Point, build_scheduler, prepare_trace, run_point
+from train.experiment import Point, build_scheduler, prepare_trace, session_rate
 
 
 def _on(background: BackgroundCluster, coro: Any) -> Any:
     return asyncio.run_coroutine_threadsafe(coro, background.loop).result(timeout=60)
+
+
+class DecisionLog:
+    """Every path decision a scheduler's path policy makes, with the inputs behind it: the query's
+    queue wait, the normal and best borrow estimates, and (for ``LeasePath``) each node's
+    mixed-iteration share, the late share and each node's lease prefill budget left. It wraps the
+    policy's ``choose`` (the decision itself is untouched)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.rows: list[dict[str, Any]] = []
+        path = scheduler.path
+        choose = path.choose
+        shares = callable(getattr(path, "mixed_share", None))
+
+        def logged(q: Any, now_s: float, ledger: Any) -> Any:
+            nodes = ledger.node_ids()
+            row: dict[str, Any] = {
+                "request_id": q.request_id,
+                "time_s": round(now_s, 4),
+                "input_tokens": q.input_tokens,
+                "output_tokens": q.expected_output_tokens,
+                "queued_tokens": q.normal_queued_tokens,
+                "queue_wait_s": round(q.normal_queue_wait_s, 4),
+                "lease_prefill_left": {n: ledger.available(n, now_s).prefill_tokens for n in nodes},
+            }
+            if shares:
+                row["mixed_share"] = {n: round(path.mixed_share(n), 5) for n in nodes}
+            d = choose(q, now_s, ledger)
+            row.update(
+                path=d.path,
+                node=d.node_id,
+                reason=d.code.name.lower(),
+                est_normal_s=round(d.est_normal_s, 4),
+                est_borrow_s=None if d.est_borrow_s is None else round(d.est_borrow_s, 4),
+                detail=d.reason,
+            )
+            if shares:
+                row["late_share"] = round(path.late_share(), 4)
+            self.rows.append(row)
+            return d
+
+        path.choose = logged
+
+
+def simulate_point(point: Point, trace: Trace, *, delay_s: float = 0.0, log: bool = False) -> Any:
+    """``point`` simulated as ``run_point`` does (same scheduler, seed and load); with ``delay_s``,
+    every arrival of an open-loop trace comes that much later and the control ticks start at time 0,
+    so the leases are out before the first request and the control grid meets the arrivals at
+    another phase. Returns ``(result, DecisionLog or None)``."""
+    config, cm = point.cluster(), point.cost_model()
+    scheduler = build_scheduler(point.policy, config, cm)
+    decisions = DecisionLog(scheduler) if log and scheduler is not None else None
+    if delay_s:
+        later = delay_s * point.load  # the simulator divides arrival times by the load
+        shifted = [dataclasses.replace(r, arrival_s=r.arrival_s + later) for r in trace.requests]
+        trace = dataclasses.replace(trace, requests=shifted)
+    sim = Simulator(
+        trace,
+        config,
+        scheduler=scheduler,
+        cost_model=cm,
+        load_factor=point.load,
+        session_rate_per_s=session_rate(point, trace),
+        seed=point.seed,
+    )
+    if delay_s:
+        sim.start_control_ticks()  # the control plane runs before the first request, as the router's
+    result: SimResult = sim.run()
+    return result, decisions
+
+
+def _metrics_row(m: Any) -> tuple[float, float, float, float]:
+    """(input tokens/s, mean TTFT s, mean ITL ms, borrowed share) of a simulator result."""
+    return (m.input_tokens_per_s, m.ttft_mean_s, m.itl_mean_s * 1e3, m.borrowed_share)
+
+
+def _match_requests(trace: Trace, rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The router's decision rows by trace request id: the router numbers requests as they come, so
+    each row is matched to the earliest unmatched trace request of its input and output lengths."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for r in sorted(trace.requests, key=lambda r: (r.arrival_s, r.request_id)):
+        by_shape.setdefault((r.input_tokens, r.output_tokens), []).append(r.request_id)
+    matched = {}
+    for row in rows:
+        ids = by_shape.get((row["input_tokens"], row["output_tokens"]))
+        if ids:
+            matched[ids.pop(0)] = row
+    return matched
+
+
+def _write_decisions(
+    path: str, trace: Trace, sim: DecisionLog | None, router: DecisionLog | None
+) -> list[str]:
+    """Per request, both sides' decision rows as JSON lines to ``path``; returns the table lines
+    (decisions by reason, requests whose path differs)."""
+    sim_rows = {row["request_id"]: row for row in (sim.rows if sim else [])}
+    router_rows = _match_requests(trace, router.rows if router else [])
+    diverged = 0
+    with open(path, "w") as f:
+        for r in trace.requests:
+            a, b = sim_rows.get(r.request_id), router_rows.get(r.request_id)
+            diverged += (a or {}).get("path") != (b or {}).get("path")
+            f.write(json.dumps({"request_id": r.request_id, "simulate": a, "router": b}) + "\n")
+    return [f"per-request decisions: {path} ({diverged} of {len(trace.requests)} took another path)"]
+
+
+def _reason_table(sim: Counter[str], router: Counter[str]) -> list[str]:
+    lines = [f"{'decisions by reason':<28}{'simulate':>10}{'router':>10}"]
+    for reason in sorted(set(sim) | set(router)):
+        lines.append(f"{reason:<28}{sim[reason]:>10}{router[reason]:>10}")
+    return lines
 
 
 def agree(args: argparse.Namespace) -> None:
@@ -55,7 +179,7 @@ def agree(args: argparse.Namespace) -> None:
         policy=args.policy, trace=args.trace, shape=args.shape, max_requests=args.requests, load=args.load
     )
     trace = prepare_trace(point)
-    run = run_point(point, trace=trace)
+    run, sim_log = simulate_point(point, trace, log=True)
     sim = run.metrics
     config, cm = point.cluster(), point.cost_model()
     if args.node_leases == "wire":  # the nodes install the router's leases, as with the plugin
@@ -65,11 +189,9 @@ def agree(args: argparse.Namespace) -> None:
     live = LiveCluster(config, cost_model=cm, scheduler=nodes, time_scale=args.time_scale)
     background = BackgroundCluster(EmulatedCluster(live))
     with background as cluster:
-        stack = CrossflowStack(
-            cluster,
-            scheduler=build_scheduler(args.policy, config, cm),
-            estimator=ClusterEstimator(config, cm),
-        )
+        router_scheduler = build_scheduler(args.policy, config, cm)
+        router_log = DecisionLog(router_scheduler) if router_scheduler is not None else None
+        stack = CrossflowStack(cluster, scheduler=router_scheduler, estimator=ClusterEstimator(config, cm))
         _on(background, stack.start())
         t0 = time.monotonic()
         result = replay(trace, ReplayConfig(url=stack.router.url, timeout_s=600, load=args.load))
@@ -82,7 +204,6 @@ def agree(args: argparse.Namespace) -> None:
         _on(background, stack.stop())
     m = result.metrics
     share = completed.get("borrow", 0.0) / max(1.0, sum(completed.values()))
-    sim_decisions = Counter(d["code"] for d in run.decisions if d["kind"] == "decision")
     lag = result.lag_failure or "ok"
     print(f"{args.policy} on {args.shape}, {args.trace}, {args.requests} requests, load {args.load:g}, "
           f"time scale {args.time_scale:g}, node leases {args.node_leases} "
@@ -98,10 +219,44 @@ def agree(args: argparse.Namespace) -> None:
     points = (share - sim.borrowed_share) * 100
     print(f"{'borrowed share':<24}{sim.borrowed_share:>12.3f}{share:>12.3f}{points:>+9.1f}pt")
     print(f"finished: simulate {sim.n_finished}, router {m['n_finished']}; router fallbacks {fallbacks:g}")
-    print(f"decisions: simulate {dict(sim_decisions)}")
-    print(f"           router   { ({f'{p}/{r}': int(n) for (p, r), n in decisions.items()}) }")
+    router_reasons: Counter[str] = Counter()
+    for (_, reason), n in decisions.items():
+        router_reasons[reason] += int(n)
+    sim_reasons = Counter(row["reason"] for row in (sim_log.rows if sim_log else []))
+    for line in _reason_table(sim_reasons, router_reasons):
+        print(line)
+    if args.decisions_out:
+        for line in _write_decisions(args.decisions_out, trace, sim_log, router_log):
+            print(line)
+    if args.sim_phases > 0 and not trace.closed_loop:
+        router_row = (
+            float(m["input_tokens_per_s"]),
+            float(m["ttft_mean_s"]),
+            float(m["itl_mean_s"]) * 1e3,
+            share,
+        )
+        for line in _phase_spread(point, trace, args.sim_phases, router_row):
+            print(line)
     for line in stuck:
         print(line)
+
+
+def _phase_spread(point: Point, trace: Trace, n: int, router: tuple[float, float, float, float]) -> list[str]:
+    """The simulator at ``n`` phases of its control grid against the arrivals (``simulate_point``'s
+    ``delay_s`` at k / n of an interval, k = 0 .. n - 1): each figure's range and median, and the
+    router's difference from the median."""
+    interval_s = point.cluster().control_interval_s
+    runs = [simulate_point(point, trace, delay_s=k / n * interval_s)[0] for k in range(n)]
+    a = np.array([_metrics_row(r.metrics) for r in runs])
+    lines = [f"simulate at {n} phases of the control grid (leases out from the start):"]
+    lines.append(f"{'':24}{'min':>10}{'median':>10}{'max':>10}{'router':>10}{'diff':>10}")
+    names = ("input tokens/s", "mean TTFT (s)", "mean ITL (ms)", "borrowed share")
+    for i, name in enumerate(names):
+        lo, med, hi = a[:, i].min(), float(np.median(a[:, i])), a[:, i].max()
+        diff = f"{(router[i] - med) * 100:>+9.1f}pt" if i == 3 else f"{(router[i] - med) / med:>+10.1%}"
+        lines.append(f"{name:<24}{lo:>10.4g}{med:>10.4g}{hi:>10.4g}{router[i]:>10.4g}{diff}")
+    lines.append("borrowed shares by phase: " + " ".join(f"{x:.3f}" for x in a[:, 3]))
+    return lines
 
 
 def _stuck_report(live: LiveCluster) -> list[str]:
@@ -259,6 +414,14 @@ def main() -> None:
         help="wire: the nodes install the leases the router pushes (crossflow serve's); local: each "
         "node's lease comes from the policy run in the emulation itself",
     )
+    a.add_argument(
+        "--sim-phases",
+        type=int,
+        default=8,
+        help="also simulate at this many phases of the control grid against the arrivals and print "
+        "the spread (0: off)",
+    )
+    a.add_argument("--decisions-out", help="write both sides' per-request path decisions here (JSON lines)")
     o = sub.add_parser("overhead")
     o.add_argument("--requests", type=int, default=400)
     o.add_argument("--concurrency", type=int, default=32)

@@ -9,9 +9,10 @@ implemented here: the simulator's own workers and cost model do it, exactly as f
 * **Clock.** Emulated time is ``(wall - start) / time_scale``: an iteration the cost model times at
   ``t`` seconds takes ``t x time_scale`` wall seconds. The driver (``run``) processes every event when
   its wall time comes and sleeps until the next one; a request submitted in between is injected at the
-  current emulated instant. Decode iterations are simulated one event each
-  (``max_decode_jump_iters=1``, which gives bit-identical results to any jump cap), so every token is
-  delivered at its own iteration's end.
+  current emulated instant. With a scheduler its control ticks start with the cluster (a node-side
+  policy publishes its leases before the first request, as a running node's would). Decode
+  iterations are simulated one event each (``max_decode_jump_iters=1``, which gives bit-identical
+  results to any jump cap), so every token is delivered at its own iteration's end.
 * **Lag.** Each worker records, at every iteration end, how late the driver processed it
   (wall time now minus the iteration's scheduled wall time), and a 50 ms ticker records how late the
   event loop wakes (HTTP handling and arrivals share that loop). A lag beyond ``LAG_LIMIT_SHARE`` of a
@@ -272,6 +273,7 @@ class LiveCluster:
         """Drive the simulator until cancelled (start it as a task on the serving event loop)."""
         self._t0 = time.perf_counter()
         self._wake = asyncio.Event()
+        self.sim.start_control_ticks()  # a node-side policy publishes its leases before any request
         watcher = asyncio.create_task(self._watch_loop())
         try:
             await self._drive()

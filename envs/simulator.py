@@ -425,6 +425,13 @@ class Simulator:
         pidx, _ = self._pick_prefill(req)
         self._dispatch_normal(req, pidx)
 
+    def start_control_ticks(self) -> None:
+        """Start the control ticks now, on the interval grid, rather than at the first arrival (a
+        control plane that runs before any request: the leases are out when the first one comes).
+        They stop again while the cluster is idle, as always; nothing happens without a scheduler."""
+        if self.scheduler is not None:
+            self._start_ticks()
+
     def _start_ticks(self) -> None:
         """Control ticks resume on the interval grid (an idle cluster stops them)."""
         if not self._tick_pending:

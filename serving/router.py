@@ -216,6 +216,8 @@ class RouterConfig:
     context_window_tokens: int = 131_072
     vocab_size: int = 32_000
     page_tokens: int = 1
+    prefill_chunk_tokens: int = 0
+    """The prefill workers' chunk (``PrefillQueue``); 0: their queue is counted as if continuous."""
     kv_capacity_tokens: int = 0
     decode_prefix_cache: bool = False
     prefill_routing: str = "cache_aware"
@@ -235,6 +237,10 @@ class RouterConfig:
             raise ValueError("RouterConfig needs at least one prefill and one decode worker")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             raise ValueError(f"RouterConfig.time_scale must be positive, got {self.time_scale}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"RouterConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}"
+            )
         if self.page_tokens < 1 or self.context_window_tokens < 2:
             raise ValueError("RouterConfig: page_tokens >= 1 and context_window_tokens >= 2")
 
@@ -297,9 +303,18 @@ class PrefillQueue:
     """The router's estimate of one prefill worker's uncomputed queue: requests in dispatch order,
     each expected done when the work ahead of it and its own prefill (the estimator's time) are;
     an entry leaves at that time or when the worker answers, whichever comes first. It stands for
-    what the simulator's path query reads from the worker itself (its queued uncomputed tokens)."""
+    what the simulator's path query reads from the worker itself (its queued uncomputed tokens).
 
-    def __init__(self) -> None:
+    A worker computes a prompt in chunks of up to ``chunk_tokens`` and its count drops by a chunk
+    when that chunk's iteration ends, so a request being computed counts its chunks not yet ended
+    (its time split evenly between them); with ``chunk_tokens`` 0 it counts the share of it not yet
+    done. Each prompt is timed alone, while a worker packs small prompts into shared iterations, so
+    behind many small prompts the count reads high (``docs/serving.md``, agreement section)."""
+
+    def __init__(self, chunk_tokens: int = 0) -> None:
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
         self._entries: OrderedDict[int, tuple[float, float, int]] = OrderedDict()
         """key -> (expected start, expected end, tokens)."""
         self._tail_s = 0.0
@@ -325,15 +340,21 @@ class PrefillQueue:
             del self._entries[key]
 
     def tokens(self, now_s: float) -> int:
-        """Uncomputed tokens expected still queued at ``now_s`` (one being computed counts the share
-        of it not yet done)."""
+        """Uncomputed tokens expected still queued at ``now_s`` (one being computed counts its
+        chunks not yet ended, or without chunks the share of it not yet done)."""
         self._drop(now_s)
         total = 0.0
+        chunk = self.chunk_tokens
         for start_s, done_s, tokens in self._entries.values():
             if start_s >= now_s or done_s <= start_s:
                 total += tokens
+                continue
+            done_share = (now_s - start_s) / (done_s - start_s)
+            if chunk:
+                chunks_ended = math.floor(done_share * -(-tokens // chunk))
+                total += max(0, tokens - chunks_ended * chunk)
             else:
-                total += tokens * (done_s - now_s) / (done_s - start_s)
+                total += tokens * (1.0 - done_share)
         return int(total)
 
 
@@ -441,7 +462,7 @@ class Router:
         self._prefill_trees = PageTrees(len(self.prefill), block, max_pages)
         self._decode_trees = PageTrees(len(self.decode), block, max_pages)
         self._hasher = PrefixResolver(block)
-        self._prefill_queues = [PrefillQueue() for _ in self.prefill]
+        self._prefill_queues = [PrefillQueue(config.prefill_chunk_tokens) for _ in self.prefill]
         self._decode_kv = [0] * len(self.decode)
         self._overloaded: dict[str, list[bool]] = {
             "prefill": [False] * len(self.prefill),
@@ -461,6 +482,10 @@ class Router:
         self._reservation_nodes: dict[tuple[int, int], int] = {}
         """Active borrow reservations (policy generation, reservation id) -> their node (to label
         revocations; ids of two policies' ledgers may coincide)."""
+        self._all_reported = asyncio.Event()
+        """Set once every decode node's agent has reported (the first control interval runs then)."""
+        self._leases_out = asyncio.Event()
+        """Set once a control interval ran on every decode node's state (``wait_leases_out``)."""
         self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
         self.control = HttpServer(
             self._control_route, config.control_host, config.control_port, keep_alive=True
@@ -686,10 +711,15 @@ class Router:
     async def _control_loop(self, scheduler: SchedulerLike, generation: int) -> None:
         """Control intervals on a fixed grid of wall times (a late wake-up does not shift the ones
         after it, as the simulator's ticks are never shifted); one that falls a whole interval
-        behind restarts the grid from now rather than running the missed ones back to back."""
+        behind restarts the grid from now rather than running the missed ones back to back. The
+        first runs as soon as every decode node has reported (at most one interval after the loop
+        starts), so the leases are out before the first requests come, as in the simulator, whose
+        first control tick publishes them at the instant its first request arrives."""
         interval_s = scheduler.control_interval_s
         wall_interval_s = interval_s * self.config.time_scale
-        due_s = time.perf_counter()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._all_reported.wait(), wall_interval_s)
+        due_s = time.perf_counter() - wall_interval_s
         while True:
             due_s += wall_interval_s
             late_s = time.perf_counter() - due_s
@@ -707,6 +737,20 @@ class Router:
                 with contextlib.suppress(KeyError):
                     self.m_revocations.inc(self._reservation_nodes.pop((generation, rid)))
             self._push_leases(scheduler, now, generation)
+            if len(fresh) == len(self.decode):
+                self._leases_out.set()
+
+    async def wait_leases_out(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s`` wall seconds, until a control interval has run on every decode
+        node's reported state and the leases it published have been pushed to the nodes that take
+        them; whether that happened (never without a scheduler)."""
+        try:
+            await asyncio.wait_for(self._leases_out.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        if self._push_tasks:
+            await asyncio.wait(set(self._push_tasks), timeout=timeout_s)
+        return True
 
     # ---------------------------------------------------------------- leases over the wire
     def _push_leases(self, scheduler: Any, now_s: float, generation: int) -> None:
@@ -802,6 +846,8 @@ class Router:
             if state is None:
                 raise HttpError(400, "field 'node_state' must be an object")
             self._reports[node] = (state, self.now_s())
+            if len(self._reports) == len(self.decode):
+                self._all_reported.set()
             if body.get("takes_leases") is True:
                 self._lease_takers.add(node)
             else:

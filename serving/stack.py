@@ -2,9 +2,11 @@
 
 ``CrossflowStack`` builds the router's configuration from the cluster (its workers, model, cache and
 routing settings, time scale), starts the router and one lease agent per decode worker reporting
-every control interval, and stops them again. The router's scheduler is its own (its own ledger,
-fed by the agents); the emulated workers' lease, which they re-check on arrival, is the live
-simulator's.
+every control interval, and stops them again. ``start`` returns once the router's first control
+interval (run as soon as every agent reported) has published the leases and pushed them to the
+nodes that take them: the first requests find leases, as with a router that ran before any traffic.
+The router's scheduler is its own (its own ledger, fed by the agents); the emulated workers' lease,
+which they re-check on arrival, is the live simulator's.
 
     with BackgroundCluster(EmulatedCluster(live)) as cluster:
         stack = CrossflowStack(cluster, scheduler=make_scheduler(...), estimator=...)
@@ -39,6 +41,7 @@ def router_config_for(
         "context_window_tokens": config.context_window_tokens,
         "vocab_size": cost_model.model.vocab,
         "page_tokens": config.page_tokens,
+        "prefill_chunk_tokens": config.prefill_chunk_tokens,
         "kv_capacity_tokens": cost_model.kv_capacity_tokens,
         "decode_prefix_cache": config.decode_prefix_cache,
         "prefill_routing": config.prefill_routing,
@@ -62,6 +65,11 @@ MIN_REPORT_INTERVAL_WALL_S = 0.01
 """Nor more often than this (wall seconds): against nearly instant emulated workers (a tiny time
 scale) a quarter interval is well under a millisecond, and the agents' reads would take the router's
 loop from the requests it serves."""
+
+
+LEASES_OUT_TIMEOUT_S = 5.0
+"""``CrossflowStack.start`` waits this long, past two control intervals, for the first leases (an
+agent that cannot reach its worker leaves the router serving without that node's lease)."""
 
 
 def start_lease_agents(
@@ -115,6 +123,10 @@ class CrossflowStack:
         await self.router.start()
         interval_s = self.cluster.live.config.control_interval_s if self.router.policy_loader else None
         self.agents = start_lease_agents(self.router, self.cluster.decode_urls, interval_s)
+        scheduler = self.router.scheduler
+        if scheduler is not None and self.agents:  # ready once the first leases are out
+            wall_interval_s = scheduler.control_interval_s * self.router.config.time_scale
+            await self.router.wait_leases_out(2 * wall_interval_s + LEASES_OUT_TIMEOUT_S)
 
     async def stop(self) -> None:
         for agent in self.agents:

@@ -163,9 +163,10 @@ def test_borrowed_requests_run_on_the_nodes_lease_or_are_refused() -> None:
     no_lease = LiveCluster(config, cost_model=cm, time_scale=2.0)
     assert no_lease.reserve_borrowed(0, 1000, 10) is None
 
-    async def body() -> tuple[int | None, int]:
-        before = cluster.reserve_borrowed(0, 1000, 10)  # no lease published yet
-        await asyncio.sleep(config.control_interval_s * 2.0 * 1.5)  # a control tick publishes one
+    async def body() -> tuple[Any, int]:
+        # the node's control ticks start with the cluster: its lease is out before any request
+        at_start = scheduler.ledger.lease(0)
+        await asyncio.sleep(config.control_interval_s * 2.0 * 1.5)
         warm = cluster.submit(np.arange(200), 400, prefill_worker=0, decode_worker=0)  # keeps ticks going
         await asyncio.sleep(config.control_interval_s * 2.0 * 1.5)
         reservation = cluster.reserve_borrowed(0, 1000, 10)
@@ -177,10 +178,11 @@ def test_borrowed_requests_run_on_the_nodes_lease_or_are_refused() -> None:
             await live.changed()
         while not warm.done:
             await warm.changed()
-        return before, live.generated
+        return at_start, live.generated
 
-    before, generated = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
-    assert before is None and generated == 10
+    at_start, generated = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
+    assert at_start is not None and not at_start.budgets.is_zero() and at_start.is_live(0.0)
+    assert generated == 10
     req = cluster.sim.reqs[1]
     assert req.path == 1 and cluster.sim.counters.borrowed_prefill_tokens == 1000
 

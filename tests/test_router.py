@@ -122,6 +122,24 @@ def test_page_trees_and_prefill_queue() -> None:
     assert queue.tokens(3.0) == 0
 
 
+def test_the_prefill_queue_counts_a_running_prompt_by_its_chunks_not_yet_ended() -> None:
+    """A chunked-prefill worker's count of uncomputed tokens (what the simulator's path query reads)
+    drops by a chunk when that chunk's iteration ends, not continuously: the router's estimate does
+    the same (continuously it read half a chunk low on average), with the cluster's chunk size."""
+    from serving.stack import router_config_for
+
+    queue = PrefillQueue(chunk_tokens=100)
+    queue.add(250, 3.0, 0.0)  # chunks of 100, 100 and 50 tokens, a second each
+    queue.add(40, 1.0, 0.0)  # queued behind it: counted whole until it runs
+    assert [queue.tokens(t) for t in (0.0, 0.5, 0.99)] == [290, 290, 290]
+    assert [queue.tokens(t) for t in (1.0, 1.5, 2.5, 3.0, 3.5, 4.0)] == [190, 190, 90, 40, 40, 0]
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        PrefillQueue(chunk_tokens=-1)
+    config = ClusterConfig(n_prefill=1, n_decode=1, prefill_chunk_tokens=4096)
+    routed = router_config_for(config, CostModel(*MODEL), [("http://p", 1)], ["http://d"])
+    assert routed.prefill_chunk_tokens == 4096
+
+
 def test_a_legs_body_is_the_clients_encoded_once_plus_the_legs_fields() -> None:
     from serving.router import _leg_json
 
@@ -456,12 +474,13 @@ def test_twice_the_clusters_capacity_for_a_bounded_time_loses_no_request() -> No
 def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     """The heuristic policy on 2P4D at twice the trace's load (above static saturation: the prefill
     pool is congested and the policy borrows), 60 requests of the synthetic Mooncake trace: through
-    the router and its lease agents on the emulated cluster, and in ``crossflow simulate``. Input
-    throughput within 10 %, mean TTFT within 20 %, mean ITL within 10 %. The borrowed share only
-    within 20 points, not the 5 aimed at: from run to run the router's share moves by that much
-    (its leases are sized from states its agents report, later and at another phase than the
-    simulator's; ``docs/serving.md``), so that is what is checked (``benchmarks/bench_router.py
-    agree`` runs a larger replay)."""
+    the router and its lease agents on the emulated cluster whose nodes install the router's pushed
+    leases (as ``crossflow serve --router crossflow`` runs them), and in ``crossflow simulate``. Input
+    throughput within 10 %, mean TTFT within 20 %, mean ITL within 10 %, the borrowed share within 10
+    points (5 are aimed at; runs on idle cores came within 3.3, and one request is 1.7 points; the
+    simulator's own share moves by more than that with the phase of its control grid,
+    ``docs/serving.md``). ``benchmarks/bench_router.py agree`` runs the same point with more detail."""
+    from serving.node_leases import WireLeases
     from serving.replay import ReplayConfig, replay
     from train.experiment import Point, prepare_trace, run_point
 
@@ -473,7 +492,7 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     with _stack(
         config,
         scale=6.0,
-        worker_scheduler=build_scheduler("heuristic", config, cm),
+        worker_scheduler=WireLeases(config.n_decode, burst_s=config.control_interval_s),
         scheduler=build_scheduler("heuristic", config, cm),
         estimator=ClusterEstimator(config, cm),
     ) as (_, _, stack):
@@ -486,7 +505,7 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
     assert m["input_tokens_per_s"] == pytest.approx(simulated.input_tokens_per_s, rel=0.10)
     assert m["ttft_mean_s"] == pytest.approx(simulated.ttft_mean_s, rel=0.20)
     assert m["itl_mean_s"] == pytest.approx(simulated.itl_mean_s, rel=0.10)
-    assert borrowed_share == pytest.approx(simulated.borrowed_share, abs=0.20)
+    assert borrowed_share == pytest.approx(simulated.borrowed_share, abs=0.10)
 
 
 def test_serve_with_the_crossflow_router_and_the_standalone_router_command(
@@ -637,6 +656,29 @@ def test_leases_are_pushed_to_workers_that_take_them_and_their_recheck_uses_them
         assert bad.status_code == 400 and "missing key" in bad.text
         bad = c.post(cluster.prefill_urls[0] + "/set_internal_state", json={"server_args": {}})
         assert bad.status_code == 400
+
+
+def test_the_stack_is_ready_once_the_first_leases_are_out() -> None:
+    """``CrossflowStack.start`` returns once the router's first control interval, run as soon as every
+    agent reported, has published each node's lease and pushed it to the nodes that take them: the
+    first requests find leases, as in the simulator, whose first control tick publishes them when its
+    first request arrives (before, the router's first interval came a whole interval after it started
+    and a replay started at once borrowed nothing for that long)."""
+    from serving.node_leases import WireLeases
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=2)  # the default 0.5 s interval: 2 s of wall time here
+    nodes = WireLeases(config.n_decode, burst_s=config.control_interval_s)
+    scheduler = build_scheduler("heuristic", config, cm)
+    with _stack(
+        config, worker_scheduler=nodes, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+    ) as (_, _, stack):
+        now = stack.router.now_s()
+        assert now < config.control_interval_s, "the first interval did not wait a whole interval"
+        for j in range(config.n_decode):
+            lease = scheduler.ledger.lease(j)
+            assert lease is not None and lease.is_live(now) and not lease.budgets.is_zero(), j
+            assert nodes.installs[j] >= 1 and nodes.ledger.lease(j) is not None, f"pushed to node {j}"
 
 
 def test_a_policy_reload_reaches_the_nodes_through_their_next_leases() -> None:
