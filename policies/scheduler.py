@@ -296,9 +296,14 @@ class ClusterScheduler:
         memo = self._proposals.get(state.node_id)
         if memo is not None and memo[0] is policy and memo[1] == key:
             return memo[2], memo[3]
-        headroom = policy.propose(state)
-        pressure_fn = getattr(policy, "decode_pressure", None)
-        pressure: str | None = pressure_fn(state) if pressure_fn is not None else None
+        both = getattr(policy, "propose_with_pressure", None)
+        pressure: str | None
+        if both is not None:
+            headroom, pressure = both(state)
+        else:
+            headroom = policy.propose(state)
+            pressure_fn = getattr(policy, "decode_pressure", None)
+            pressure = pressure_fn(state) if pressure_fn is not None else None
         self._proposals[state.node_id] = (policy, key, headroom, pressure)
         return headroom, pressure
 
