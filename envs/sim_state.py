@@ -17,6 +17,7 @@ from envs.itl import ItlHistogram
 from envs.prefix_cache import PrefixCache
 from envs.request import Request
 from policies.admission import LeaseTokenBucket
+from policies.node_state import NodeState
 
 NORMAL, BORROWED, FALLBACK, LOCAL = 0, 1, 2, 3
 PATH_NAMES = ("normal", "borrowed", "fallback", "local")
@@ -198,6 +199,9 @@ class DecodeWorker:
     """Forward iterations run so far (those inside a jump included)."""
     borrowed_tokens_total: int = 0
     """Borrowed prefill tokens executed on this node (spent from its token bucket)."""
+    tick_state: tuple[tuple[int, ...], NodeState] | None = None
+    """The state reported at the last control interval while the node was idle, with what it was
+    built from (``Simulator._tick_states`` hands it again while that is unchanged)."""
 
 
 class DecodeCacheMatches(Mapping[int, int]):

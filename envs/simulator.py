@@ -97,7 +97,10 @@ ROUTER_CHARS_PER_TOKEN = 4
 class SchedulerHooks(Protocol):
     """What the simulator needs from ``policies.ClusterScheduler``. A scheduler may also offer
     ``replay_control_interval(now_s) -> bool`` (``ClusterScheduler`` does): the simulator then asks it
-    to repeat an interval whose node states are unchanged apart from the clock (``Simulator._on_tick``)."""
+    to repeat an interval whose node states are unchanged apart from the clock (``Simulator._on_tick``),
+    and ``accepts_unchanged_states() -> bool``: True when neither it nor its policies read a state's
+    ``time_s``, so an idle node whose state is unchanged is handed its last ``NodeState`` object again
+    (``Simulator._tick_states``)."""
 
     def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> Any: ...
 
@@ -229,11 +232,16 @@ class Simulator:
         self.counters = Counters()
         self.tick_node_states: list[NodeState] = []
         """The decode nodes' states the scheduler was handed at the last control interval (after a
-        replayed interval, those of the interval before: equal apart from ``time_s``)."""
+        replayed interval, those of the interval before: equal apart from ``time_s``; an idle node's
+        state unchanged since an earlier interval is that interval's object, ``_tick_states``)."""
         self._replay_interval: Callable[[float], bool] | None = getattr(
             scheduler, "replay_control_interval", None
         )
         """The scheduler's ``replay_control_interval``, if it has one (``_on_tick``)."""
+        self._accepts_unchanged: Callable[[], bool] | None = getattr(
+            scheduler, "accepts_unchanged_states", None
+        )
+        """The scheduler's ``accepts_unchanged_states``, if it has one (``_tick_states``)."""
         self._states_unchanged = False
         """No decode node's state can have changed, apart from its clock, since the last control
         interval: set at the end of an interval that leaves every node idle and free of borrowed and
@@ -1315,6 +1323,47 @@ class Simulator:
         waiting = self._prealloc_waiting()
         return [self._node_state(w, waiting) for w in self.decode]
 
+    def _tick_states(self) -> list[NodeState]:
+        """``node_states()`` for a control interval. For a scheduler that ``accepts_unchanged_states``,
+        an idle node (no running request, no iteration in flight, no borrowed or local work) whose
+        state would be built from the same numbers as at an earlier interval (KV, queues, the
+        interval's step counters, token totals, pre-allocated KV waiting) is handed that interval's
+        ``NodeState`` object again: equal apart from its ``time_s``, which the scheduler never reads."""
+        accepts = self._accepts_unchanged
+        if accepts is None or not accepts():
+            return self.node_states()
+        waiting = self._prealloc_waiting()
+        states = []
+        for w in self.decode:
+            if w.running or w.busy or w.borrowed or w.local:
+                w.tick_state = None
+                states.append(self._node_state(w, waiting))
+                continue
+            kv, output = waiting.get(w.idx, (0, 0))
+            key = (
+                w.kv_used,
+                w.n_active,
+                len(w.waiting),
+                len(w.prealloc),
+                len(w.retracted),
+                w.step_count,
+                w.step_time_ns,
+                w.decode_only_ns,
+                w.decode_tokens_total,
+                w.mixed_decode_tokens_total,
+                kv,
+                output,
+                w.capacity_tokens,
+            )
+            last = w.tick_state
+            if last is not None and last[0] == key:
+                states.append(last[1])
+                continue
+            state = self._node_state(w, waiting)
+            w.tick_state = (key, state)
+            states.append(state)
+        return states
+
     def _on_tick(self) -> None:
         """A control interval: the scheduler sees every node's state and republishes the leases.
 
@@ -1329,7 +1378,7 @@ class Simulator:
             self.ticks_replayed += 1
             revoked: set[int] = set()
         else:
-            self.tick_node_states = self.node_states()
+            self.tick_node_states = self._tick_states()
             revoked = set(self.scheduler.on_control_interval(self.now_s, self.tick_node_states) or ())
         ran = False
         for w in self.decode:

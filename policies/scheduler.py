@@ -153,9 +153,11 @@ class ClusterScheduler:
         """Decision and lease events as plain dicts (``kind`` says which), for debugging and reports."""
         self._lock = threading.RLock()
         self._lending: dict[int, bool] = {}
-        self._proposals: dict[int, tuple[NodePolicy, tuple[Any, ...], LeaseBudgets, str | None]] = {}
-        """node id -> (policy, state without its clock, proposal, decode pressure) of the node's last
-        ``propose``."""
+        self._proposals: dict[
+            int, tuple[NodePolicy, tuple[Any, ...], LeaseBudgets, str | None, NodeState]
+        ] = {}
+        """node id -> (policy, state without its clock, proposal, decode pressure, the state object last
+        seen with them) of the node's last ``propose``."""
         self._arrived: set[int] = set()
         """Un-started reservations whose task has reached its node (so ``NodeState`` counts them)."""
         self._replay: list[tuple[int, NodePolicy, LeaseBudgets | None]] | None = None
@@ -284,6 +286,12 @@ class ClusterScheduler:
                 self.path.observe(now_s, list(self.path.states.values()))
             return True
 
+    def accepts_unchanged_states(self) -> bool:
+        """Whether a reporter may hand a node's last ``NodeState`` object again, its ``time_s`` stale,
+        while nothing else in it has changed: node policies never read ``time_s`` (``NodePolicy``), nor
+        does a path policy that ``observes_only_states``. ``_propose`` then knows the state by identity."""
+        return observes_only_states(self.path)
+
     def _propose(self, policy: NodePolicy, state: NodeState) -> tuple[LeaseBudgets, str | None]:
         """``(policy.propose(state), policy.decode_pressure(state))`` (the pressure ``None`` for a policy
         without ``decode_pressure``), reused while the node's state apart from the clock is unchanged.
@@ -292,9 +300,12 @@ class ClusterScheduler:
         idle node (most ticks of a closed-loop trace: four in five on the agent sessions) costs no
         predictor call. The memo holds one entry per node and is keyed by the policy object too.
         """
-        key = _STATE_KEY(state)
         memo = self._proposals.get(state.node_id)
+        if memo is not None and memo[0] is policy and memo[4] is state:
+            return memo[2], memo[3]
+        key = _STATE_KEY(state)
         if memo is not None and memo[0] is policy and memo[1] == key:
+            self._proposals[state.node_id] = (policy, key, memo[2], memo[3], state)
             return memo[2], memo[3]
         both = getattr(policy, "propose_with_pressure", None)
         pressure: str | None
@@ -304,7 +315,7 @@ class ClusterScheduler:
             headroom = policy.propose(state)
             pressure_fn = getattr(policy, "decode_pressure", None)
             pressure = pressure_fn(state) if pressure_fn is not None else None
-        self._proposals[state.node_id] = (policy, key, headroom, pressure)
+        self._proposals[state.node_id] = (policy, key, headroom, pressure, state)
         return headroom, pressure
 
     @staticmethod

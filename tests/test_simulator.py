@@ -13,6 +13,7 @@ from envs.metrics import weighted_quantile
 from envs.prefix_cache import PrefixCache, PrefixIndex
 from envs.request import Request
 from envs.simulator import Simulator, simulate
+from policies.node_state import NodeState
 from policies.scheduler import ClusterScheduler
 from tests.fakes import ConstantPredictor, LinearCostModel, open_trace, session_trace
 
@@ -306,3 +307,46 @@ def test_replayed_control_intervals_are_exact(monkeypatch: pytest.MonkeyPatch) -
     assert replayed.granted_prefill_tokens() == full.granted_prefill_tokens()
     assert replayed.counters == full.counters
     assert list(replayed.scheduler.records) == list(full.scheduler.records)  # type: ignore[union-attr]
+
+
+def test_unchanged_idle_nodes_keep_their_state_object_exactly() -> None:
+    """At a full control interval an idle node whose state is unchanged since an earlier one is handed
+    that interval's ``NodeState`` object again (its clock stale); the run is identical to one where
+    every state is built anew: requests, metrics, node timeline, granted tokens, counters, records."""
+    from train.experiment import Point, build_scheduler, prepare_trace, session_rate
+
+    point = Point(policy="heuristic", trace="agent", max_requests=6, session_rate_per_s=0.02)
+    trace = prepare_trace(point)
+    config, cost_model = point.cluster(), point.cost_model()
+    sims = []
+    for reuse in (True, False):
+        sim = Simulator(
+            trace,
+            config,
+            scheduler=build_scheduler(point.policy, config, cost_model),
+            cost_model=cost_model,
+            session_rate_per_s=session_rate(point, trace),
+        )
+        sim._replay_interval = None  # every interval in full
+        if not reuse:
+            sim._accepts_unchanged = None
+        sims.append(sim)
+    reused, built = sims
+    stale = []
+    handed = reused.scheduler.on_control_interval  # type: ignore[union-attr]
+
+    def watched(now_s: float, states: list[NodeState]) -> list[int]:
+        stale.extend(s for s in states if s.time_s < now_s)
+        return handed(now_s, states)
+
+    reused.scheduler.on_control_interval = watched  # type: ignore[union-attr,method-assign]
+    reused.run()
+    built.run()
+    assert stale
+    a, b = reused.result(), built.result()
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    assert a.metrics == b.metrics
+    assert reused.node_timeline == built.node_timeline
+    assert reused.granted_prefill_tokens() == built.granted_prefill_tokens()
+    assert reused.counters == built.counters
+    assert list(reused.scheduler.records) == list(built.scheduler.records)  # type: ignore[union-attr]
