@@ -87,13 +87,21 @@ class ItlHistogram:
         self.tokens += tokens
 
     def add_many(
-        self, seconds: np.ndarray | Sequence[float], tokens: int, *, ascending: bool = False
+        self,
+        seconds: np.ndarray | Sequence[float],
+        tokens: int,
+        *,
+        ascending: bool = False,
+        ns: np.ndarray | None = None,
     ) -> None:
         """Several iterations, each producing ``tokens`` tokens. ``ascending``: the times do not
-        decrease (a jump of identical decode iterations), so buckets are counted by search."""
+        decrease (a jump of identical decode iterations), so buckets are counted by search. ``ns``:
+        the times already in integer nanoseconds (``np.rint(seconds * 1e9)`` as int64), when the
+        caller has them."""
         if tokens <= 0 or len(seconds) == 0:
             return
-        ns = np.rint(np.asarray(seconds, dtype=np.float64) * 1e9).astype(np.int64)
+        if ns is None:
+            ns = np.rint(np.asarray(seconds, dtype=np.float64) * 1e9).astype(np.int64)
         c = self._counts
         if ascending:
             first, last = bucket_of(int(ns[0])), bucket_of(int(ns[-1]))

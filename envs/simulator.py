@@ -874,7 +874,7 @@ class Simulator:
                 else int(np.rint(np.asarray(decode_only, dtype=np.float64) * 1e9).astype(np.int64).sum())
             )
             if n:  # a jump: its iteration times never decrease
-                w.itl.add_many(arr, n, ascending=True)
+                w.itl.add_many(arr, n, ascending=True, ns=ns_arr)
                 self.counters.itl_slo_miss_tokens += (len(arr) - int(np.searchsorted(arr, slo, "right"))) * n
         w.step_count += len(times)
         w.decode_tokens_total += n * len(times)
@@ -1381,9 +1381,10 @@ class Simulator:
             self.tick_node_states = self._tick_states()
             revoked = set(self.scheduler.on_control_interval(self.now_s, self.tick_node_states) or ())
         ran = False
+        now_s, lease_rate, timeline = self.now_s, self.scheduler.lease_rate, self.node_timeline
         for w in self.decode:
-            rate, expires_s = self.scheduler.lease_rate(w.idx)
-            w.bucket.set_lease(self.now_s, rate, expires_s)
+            rate, expires_s = lease_rate(w.idx)
+            w.bucket.set_lease(now_s, rate, expires_s)
             if revoked:  # back to the normal path now (a node-side scheduler may revoke started ones)
                 running = {r.rid for r, _ in w.iter_prefill}  # an iteration in flight finishes first
                 for req in [r for r in w.borrowed if r.reservation in revoked and r.rid not in running]:
@@ -1391,7 +1392,7 @@ class Simulator:
                     if req.started:
                         self._drop_started_borrowed(w, req)
                     self._fallback(req)
-            self.node_timeline.append((self.now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
+            timeline.append((now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
             ran = ran or w.step_count > 0
             w.step_time_ns = 0
             w.decode_only_ns = 0

@@ -198,11 +198,13 @@ class ClusterScheduler:
             replayable = self._update_itl_guard(states) and replayable
             replay: list[tuple[int, NodePolicy, LeaseBudgets | None]] = []
             shares = self.path.plan(now_s, states) or {}
+            reserved = ledger.has_reservations()  # False: no node has any (nor gets one below)
+            lend_scale, node_scale = self.lend_scale, self.node_scale
             for state in _by_node_id(states):
                 node_id = state.node_id
                 policy = self.policy_for(node_id)
                 headroom, pressure = self._propose(policy, state)
-                scale = self.lend_scale * self.node_scale.get(node_id, 1.0)
+                scale = lend_scale * node_scale.get(node_id, 1.0)
                 scale *= shares.get(node_id, 1.0)
                 if scale < 1.0 and not headroom.is_zero():
                     headroom = LeaseBudgets(
@@ -218,7 +220,9 @@ class ClusterScheduler:
                     node_revoked = ledger.revoke(node_id, now_s)
                     lease_budgets = LeaseBudgets.zero()
                     replay.append((node_id, policy, None))
-                elif not ledger.has_active(node_id):  # nothing held or pending: the headroom is the lease
+                elif not (
+                    reserved and ledger.has_active(node_id)
+                ):  # nothing held or pending: the headroom is the lease
                     lease_budgets = headroom
                     ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
                     node_revoked = []
