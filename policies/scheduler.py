@@ -220,9 +220,8 @@ class ClusterScheduler:
                     node_revoked = ledger.revoke(node_id, now_s)
                     lease_budgets = LeaseBudgets.zero()
                     replay.append((node_id, policy, None))
-                elif not (
-                    reserved and ledger.has_active(node_id)
-                ):  # nothing held or pending: the headroom is the lease
+                elif not reserved or not ledger.has_active(node_id):
+                    # nothing held or pending: the headroom is the lease
                     lease_budgets = headroom
                     ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
                     node_revoked = []
@@ -236,7 +235,8 @@ class ClusterScheduler:
                     lease_budgets = headroom + reflected
                     ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
                     node_revoked = sorted(set(pending) - set(ledger.pending_ids(node_id)))
-                revoked.extend(node_revoked)
+                if node_revoked:
+                    revoked.extend(node_revoked)
                 # Record lease transitions (lending <-> decode pressure, or revocations), not every refresh.
                 lending = pressure is None and not lease_budgets.is_zero()
                 if node_revoked or self._lending.get(node_id) != lending:
@@ -251,7 +251,8 @@ class ClusterScheduler:
                             "revoked": node_revoked,
                         }
                     )
-            self._arrived.intersection_update(self.ledger.active_ids())
+            if self._arrived:
+                self._arrived.intersection_update(self.ledger.active_ids())
             self.path.observe(now_s, states)
             self._replay = replay if replayable and not revoked else None
             return sorted(revoked)
