@@ -178,6 +178,10 @@ class DecodeWorker:
     """End time of each, accumulated one iteration after the other as single events would be."""
     iter_applied: int = 0
     """Iterations of the jump whose tokens are already applied (``Simulator._sync``)."""
+    iter_ns: tuple[np.ndarray, np.ndarray, int] | None = None
+    """A jump's iteration times in integer nanoseconds, their running sums (from 0) and the index of
+    the first iteration over the TPOT SLO, made at its first partial application when its times never
+    decrease (``Simulator._account_jump``); ``None`` otherwise and at every new jump."""
     iter_decode_only_s: float = 0.0
     iter_prefill: list[tuple[ReqState, int]] = field(default_factory=list)
     iter_credit_wait: bool = False

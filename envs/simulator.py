@@ -833,7 +833,8 @@ class Simulator:
         if m <= 0:
             return
         times = w.iter_times_s[start:upto]
-        self._account(w, times, times, n)
+        if m == 1 or not isinstance(times, np.ndarray) or not self._account_jump(w, start, upto, n):
+            self._account(w, times, times, n)
         if w.iter_credit_wait:  # each iteration's end starts the next: single iterations check credit there
             for end_s in w.iter_ends_s[start:upto]:
                 w.bucket.advance(float(end_s))
@@ -846,6 +847,37 @@ class Simulator:
         w.kv_used += n * m
         self.counters.output_tokens += n * m
         w.iter_applied = upto
+
+    def _account_jump(self, w: DecodeWorker, start: int, upto: int, n: int) -> bool:
+        """``_account(w, times, times, n)`` for iterations ``[start, upto)`` (at least two) of ``w``'s
+        jump, from nanosecond counts and running sums made once per jump (``DecodeWorker.iter_ns``): a
+        jump applied in pieces (every control interval reads the node) costs one subtraction a piece.
+        The same integers: the rounding is elementwise and integer sums are exact, and in times that
+        never decrease the iterations over the SLO are those from one index on. False (nothing done)
+        for a jump whose times decrease somewhere."""
+        pre = w.iter_ns
+        if pre is None:
+            arr = np.asarray(w.iter_times_s, dtype=np.float64)
+            if len(arr) > 1 and not bool((arr[1:] >= arr[:-1]).all()):
+                return False
+            ns = np.rint(arr * 1e9).astype(np.int64)
+            sums = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(ns)))
+            pre = w.iter_ns = (ns, sums, int(np.searchsorted(arr, self.config.slo_tpot_s, "right")))
+        ns, sums, over_from = pre
+        m = upto - start
+        total = int(sums[upto] - sums[start])
+        w.busy_ns += total
+        w.step_time_ns += total
+        w.decode_only_ns += total
+        if n:
+            w.itl.add_many(w.iter_times_s[start:upto], n, ascending=True, ns=ns[start:upto], ns_sum=total)
+            over = upto - max(start, over_from)
+            if over > 0:
+                self.counters.itl_slo_miss_tokens += over * n
+        w.step_count += m
+        w.decode_tokens_total += n * m
+        w.iterations += m
+        return True
 
     def _account(
         self, w: DecodeWorker, times: list[float] | np.ndarray, decode_only: list[float] | np.ndarray, n: int
@@ -1132,6 +1164,7 @@ class Simulator:
         w.busy = True
         w.generation += 1
         w.iter_times_s, w.iter_ends_s, w.iter_applied = times, ends, 0
+        w.iter_ns = None
         w.iter_decode_only_s = decode_step
         w.iter_prefill = prefill
         w.iter_credit_wait = credit_wait
