@@ -87,13 +87,22 @@ class ItlHistogram:
         self.tokens += tokens
 
     def add_many(
-        self, seconds: np.ndarray | Sequence[float], tokens: int, *, ascending: bool = False
+        self,
+        seconds: np.ndarray | Sequence[float],
+        tokens: int,
+        *,
+        ascending: bool = False,
+        ns: np.ndarray | None = None,
+        ns_sum: int | None = None,
     ) -> None:
         """Several iterations, each producing ``tokens`` tokens. ``ascending``: the times do not
-        decrease (a jump of identical decode iterations), so buckets are counted by search."""
+        decrease (a jump of identical decode iterations), so buckets are counted by search. ``ns``:
+        the times already in integer nanoseconds (``np.rint(seconds * 1e9)`` as int64), and
+        ``ns_sum`` their sum, when the caller has them."""
         if tokens <= 0 or len(seconds) == 0:
             return
-        ns = np.rint(np.asarray(seconds, dtype=np.float64) * 1e9).astype(np.int64)
+        if ns is None:
+            ns = np.rint(np.asarray(seconds, dtype=np.float64) * 1e9).astype(np.int64)
         c = self._counts
         if ascending:
             first, last = bucket_of(int(ns[0])), bucket_of(int(ns[-1]))
@@ -114,7 +123,7 @@ class ItlHistogram:
             keys, counts = np.unique(buckets_of(ns), return_counts=True)
             for key, n in zip(keys.tolist(), counts.tolist(), strict=True):
                 c[key] = c.get(key, 0) + n * tokens
-        self.weighted_ns += int(ns.sum()) * tokens
+        self.weighted_ns += (int(ns.sum()) if ns_sum is None else ns_sum) * tokens
         self.tokens += len(ns) * tokens
 
     def merge(self, other: ItlHistogram) -> None:

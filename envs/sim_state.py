@@ -17,6 +17,7 @@ from envs.itl import ItlHistogram
 from envs.prefix_cache import PrefixCache
 from envs.request import Request
 from policies.admission import LeaseTokenBucket
+from policies.node_state import NodeState
 
 NORMAL, BORROWED, FALLBACK, LOCAL = 0, 1, 2, 3
 PATH_NAMES = ("normal", "borrowed", "fallback", "local")
@@ -177,6 +178,10 @@ class DecodeWorker:
     """End time of each, accumulated one iteration after the other as single events would be."""
     iter_applied: int = 0
     """Iterations of the jump whose tokens are already applied (``Simulator._sync``)."""
+    iter_ns: tuple[np.ndarray, np.ndarray, int] | None = None
+    """A jump's iteration times in integer nanoseconds, their running sums (from 0) and the index of
+    the first iteration over the TPOT SLO, made at its first partial application when its times never
+    decrease (``Simulator._account_jump``); ``None`` otherwise and at every new jump."""
     iter_decode_only_s: float = 0.0
     iter_prefill: list[tuple[ReqState, int]] = field(default_factory=list)
     iter_credit_wait: bool = False
@@ -198,6 +203,9 @@ class DecodeWorker:
     """Forward iterations run so far (those inside a jump included)."""
     borrowed_tokens_total: int = 0
     """Borrowed prefill tokens executed on this node (spent from its token bucket)."""
+    tick_state: tuple[tuple[int, ...], NodeState] | None = None
+    """The state reported at the last control interval while the node was idle, with what it was
+    built from (``Simulator._tick_states`` hands it again while that is unchanged)."""
 
 
 class DecodeCacheMatches(Mapping[int, int]):

@@ -97,7 +97,10 @@ ROUTER_CHARS_PER_TOKEN = 4
 class SchedulerHooks(Protocol):
     """What the simulator needs from ``policies.ClusterScheduler``. A scheduler may also offer
     ``replay_control_interval(now_s) -> bool`` (``ClusterScheduler`` does): the simulator then asks it
-    to repeat an interval whose node states are unchanged apart from the clock (``Simulator._on_tick``)."""
+    to repeat an interval whose node states are unchanged apart from the clock (``Simulator._on_tick``),
+    and ``accepts_unchanged_states() -> bool``: True when neither it nor its policies read a state's
+    ``time_s``, so an idle node whose state is unchanged is handed its last ``NodeState`` object again
+    (``Simulator._tick_states``)."""
 
     def on_control_interval(self, now_s: float, states: Sequence[NodeState]) -> Any: ...
 
@@ -229,11 +232,16 @@ class Simulator:
         self.counters = Counters()
         self.tick_node_states: list[NodeState] = []
         """The decode nodes' states the scheduler was handed at the last control interval (after a
-        replayed interval, those of the interval before: equal apart from ``time_s``)."""
+        replayed interval, those of the interval before: equal apart from ``time_s``; an idle node's
+        state unchanged since an earlier interval is that interval's object, ``_tick_states``)."""
         self._replay_interval: Callable[[float], bool] | None = getattr(
             scheduler, "replay_control_interval", None
         )
         """The scheduler's ``replay_control_interval``, if it has one (``_on_tick``)."""
+        self._accepts_unchanged: Callable[[], bool] | None = getattr(
+            scheduler, "accepts_unchanged_states", None
+        )
+        """The scheduler's ``accepts_unchanged_states``, if it has one (``_tick_states``)."""
         self._states_unchanged = False
         """No decode node's state can have changed, apart from its clock, since the last control
         interval: set at the end of an interval that leaves every node idle and free of borrowed and
@@ -832,7 +840,8 @@ class Simulator:
         if m <= 0:
             return
         times = w.iter_times_s[start:upto]
-        self._account(w, times, times, n)
+        if m == 1 or not isinstance(times, np.ndarray) or not self._account_jump(w, start, upto, n):
+            self._account(w, times, times, n)
         if w.iter_credit_wait:  # each iteration's end starts the next: single iterations check credit there
             for end_s in w.iter_ends_s[start:upto]:
                 w.bucket.advance(float(end_s))
@@ -845,6 +854,37 @@ class Simulator:
         w.kv_used += n * m
         self.counters.output_tokens += n * m
         w.iter_applied = upto
+
+    def _account_jump(self, w: DecodeWorker, start: int, upto: int, n: int) -> bool:
+        """``_account(w, times, times, n)`` for iterations ``[start, upto)`` (at least two) of ``w``'s
+        jump, from nanosecond counts and running sums made once per jump (``DecodeWorker.iter_ns``): a
+        jump applied in pieces (every control interval reads the node) costs one subtraction a piece.
+        The same integers: the rounding is elementwise and integer sums are exact, and in times that
+        never decrease the iterations over the SLO are those from one index on. False (nothing done)
+        for a jump whose times decrease somewhere."""
+        pre = w.iter_ns
+        if pre is None:
+            arr = np.asarray(w.iter_times_s, dtype=np.float64)
+            if len(arr) > 1 and not bool((arr[1:] >= arr[:-1]).all()):
+                return False
+            ns = np.rint(arr * 1e9).astype(np.int64)
+            sums = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(ns)))
+            pre = w.iter_ns = (ns, sums, int(np.searchsorted(arr, self.config.slo_tpot_s, "right")))
+        ns, sums, over_from = pre
+        m = upto - start
+        total = int(sums[upto] - sums[start])
+        w.busy_ns += total
+        w.step_time_ns += total
+        w.decode_only_ns += total
+        if n:
+            w.itl.add_many(w.iter_times_s[start:upto], n, ascending=True, ns=ns[start:upto], ns_sum=total)
+            over = upto - max(start, over_from)
+            if over > 0:
+                self.counters.itl_slo_miss_tokens += over * n
+        w.step_count += m
+        w.decode_tokens_total += n * m
+        w.iterations += m
+        return True
 
     def _account(
         self, w: DecodeWorker, times: list[float] | np.ndarray, decode_only: list[float] | np.ndarray, n: int
@@ -873,7 +913,7 @@ class Simulator:
                 else int(np.rint(np.asarray(decode_only, dtype=np.float64) * 1e9).astype(np.int64).sum())
             )
             if n:  # a jump: its iteration times never decrease
-                w.itl.add_many(arr, n, ascending=True)
+                w.itl.add_many(arr, n, ascending=True, ns=ns_arr)
                 self.counters.itl_slo_miss_tokens += (len(arr) - int(np.searchsorted(arr, slo, "right"))) * n
         w.step_count += len(times)
         w.decode_tokens_total += n * len(times)
@@ -1131,6 +1171,7 @@ class Simulator:
         w.busy = True
         w.generation += 1
         w.iter_times_s, w.iter_ends_s, w.iter_applied = times, ends, 0
+        w.iter_ns = None
         w.iter_decode_only_s = decode_step
         w.iter_prefill = prefill
         w.iter_credit_wait = credit_wait
@@ -1322,6 +1363,47 @@ class Simulator:
         waiting = self._prealloc_waiting()
         return [self._node_state(w, waiting) for w in self.decode]
 
+    def _tick_states(self) -> list[NodeState]:
+        """``node_states()`` for a control interval. For a scheduler that ``accepts_unchanged_states``,
+        an idle node (no running request, no iteration in flight, no borrowed or local work) whose
+        state would be built from the same numbers as at an earlier interval (KV, queues, the
+        interval's step counters, token totals, pre-allocated KV waiting) is handed that interval's
+        ``NodeState`` object again: equal apart from its ``time_s``, which the scheduler never reads."""
+        accepts = self._accepts_unchanged
+        if accepts is None or not accepts():
+            return self.node_states()
+        waiting = self._prealloc_waiting()
+        states = []
+        for w in self.decode:
+            if w.running or w.busy or w.borrowed or w.local:
+                w.tick_state = None
+                states.append(self._node_state(w, waiting))
+                continue
+            kv, output = waiting.get(w.idx, (0, 0))
+            key = (
+                w.kv_used,
+                w.n_active,
+                len(w.waiting),
+                len(w.prealloc),
+                len(w.retracted),
+                w.step_count,
+                w.step_time_ns,
+                w.decode_only_ns,
+                w.decode_tokens_total,
+                w.mixed_decode_tokens_total,
+                kv,
+                output,
+                w.capacity_tokens,
+            )
+            last = w.tick_state
+            if last is not None and last[0] == key:
+                states.append(last[1])
+                continue
+            state = self._node_state(w, waiting)
+            w.tick_state = (key, state)
+            states.append(state)
+        return states
+
     def _on_tick(self) -> None:
         """A control interval: the scheduler sees every node's state and republishes the leases.
 
@@ -1336,12 +1418,13 @@ class Simulator:
             self.ticks_replayed += 1
             revoked: set[int] = set()
         else:
-            self.tick_node_states = self.node_states()
+            self.tick_node_states = self._tick_states()
             revoked = set(self.scheduler.on_control_interval(self.now_s, self.tick_node_states) or ())
         ran = False
+        now_s, lease_rate, timeline = self.now_s, self.scheduler.lease_rate, self.node_timeline
         for w in self.decode:
-            rate, expires_s = self.scheduler.lease_rate(w.idx)
-            w.bucket.set_lease(self.now_s, rate, expires_s)
+            rate, expires_s = lease_rate(w.idx)
+            w.bucket.set_lease(now_s, rate, expires_s)
             if revoked:  # back to the normal path now (a node-side scheduler may revoke started ones)
                 running = {r.rid for r, _ in w.iter_prefill}  # an iteration in flight finishes first
                 for req in [r for r in w.borrowed if r.reservation in revoked and r.rid not in running]:
@@ -1349,7 +1432,7 @@ class Simulator:
                     if req.started:
                         self._drop_started_borrowed(w, req)
                     self._fallback(req)
-            self.node_timeline.append((self.now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
+            timeline.append((now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
             ran = ran or w.step_count > 0
             w.step_time_ns = 0
             w.decode_only_ns = 0

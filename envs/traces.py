@@ -232,9 +232,7 @@ def load_trace(name_or_path: str | Path) -> Trace:
     request left is an error naming it.
     """
     if isinstance(name_or_path, str) and name_or_path in BUNDLED_TRACES:
-        trace = drop_empty_requests(load_bundle(bundled_path(name_or_path)))
-        trace.name = name_or_path
-        return trace
+        return _load_bundled(name_or_path)
     path = Path(name_or_path)
     if path.is_dir():
         raise FileNotFoundError(f"{path}: a directory, not a trace file")
@@ -247,6 +245,27 @@ def load_trace(name_or_path: str | Path) -> Trace:
             f"{path.name}: no request has both input and output tokens ({len(trace)} requests, all empty)"
         )
     return kept
+
+
+_BUNDLED_LOADED: dict[str, tuple[tuple[int, int], Trace]] = {}
+"""Bundled trace name -> (its file's (mtime, size) when read, the trace as ``load_trace`` returns it):
+a process that asks for the same bundled trace twice (``crossflow simulate`` checks its flags against
+it before running) reads the file once."""
+
+
+def _load_bundled(name: str) -> Trace:
+    """``load_trace(name)`` of a bundled trace: read once per process while its file is unchanged;
+    each call gets its own ``Trace`` (its own request list and ``meta``; requests are immutable)."""
+    path = bundled_path(name)
+    st = os.stat(path)
+    stamp = (st.st_mtime_ns, st.st_size)
+    cached = _BUNDLED_LOADED.get(name)
+    if cached is None or cached[0] != stamp:
+        trace = drop_empty_requests(load_bundle(path))
+        trace.name = name
+        cached = _BUNDLED_LOADED[name] = (stamp, trace)
+    trace = cached[1]
+    return dataclasses.replace(trace, requests=list(trace.requests), meta=dict(trace.meta))
 
 
 def _load_file(path: Path) -> Trace:

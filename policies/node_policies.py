@@ -231,11 +231,25 @@ class HeuristicPolicy:
         return chunk
 
     def propose(self, state: NodeState) -> LeaseBudgets:
-        if self.decode_pressure(state) is not None:
-            return LeaseBudgets.zero()
+        return self.propose_with_pressure(state)[0]
+
+    def propose_with_pressure(self, state: NodeState) -> tuple[LeaseBudgets, str | None]:
+        """``(propose(state), decode_pressure(state))`` in one pass (the pressure test is asked once;
+        the scheduler calls this rather than the two)."""
+        pressure = self.decode_pressure(state)
+        if pressure is not None:
+            return LeaseBudgets.zero(), pressure
         batch = state.decode_batch_size
-        if self.borrowed_chunk_tokens(batch, int(state.context_tokens_mean * batch)) == 0:
-            return LeaseBudgets.zero()
+        if self.itl_budget_s is not None and self.cost is not None:
+            # borrowed_chunk_tokens(...) == 0, without the bisection for the size
+            if smallest_chunk_breaks(
+                self.cost,
+                batch,
+                int(state.context_tokens_mean * batch),
+                self.itl_budget_s,
+                self.max_chunk_tokens,
+            ):
+                return LeaseBudgets.zero(), None
         safe_tokens_per_s = predict_safe(self.predictor, state)
         return headroom_budgets(
             state,
@@ -247,7 +261,7 @@ class HeuristicPolicy:
             transfer_tokens_per_s=self.transfer_tokens_per_s,
             decode_tokens_per_task=self.decode_tokens_per_task,
             discount_prealloc_kv=self.discount_prealloc_kv,
-        )
+        ), None
 
 
 def decode_pressure_reason(
@@ -308,6 +322,22 @@ def largest_chunk_within(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if step(mid * CHUNK_GRANULARITY_TOKENS) <= step_target_s else (lo, mid)
     return lo * CHUNK_GRANULARITY_TOKENS, step(lo * CHUNK_GRANULARITY_TOKENS)
+
+
+def smallest_chunk_breaks(
+    cost: CostEstimator,
+    decode_batch: int,
+    decode_context_tokens: int,
+    step_target_s: float,
+    max_chunk_tokens: int,
+) -> bool:
+    """Whether ``largest_chunk_within(...)`` with these arguments finds no chunk (size 0): a running
+    batch whose iteration with even the smallest chunk breaks ``step_target_s``. The same first test
+    ``largest_chunk_within`` makes, without the bisection that sizes a chunk that does fit."""
+    if decode_batch == 0:
+        return False
+    smallest = min(CHUNK_GRANULARITY_TOKENS, max_chunk_tokens)
+    return cost.mixed_step_time_s(smallest, decode_batch, decode_context_tokens) > step_target_s
 
 
 def predict_safe(predictor: SafePrefillPredictor, state: NodeState) -> float:

@@ -153,9 +153,11 @@ class ClusterScheduler:
         """Decision and lease events as plain dicts (``kind`` says which), for debugging and reports."""
         self._lock = threading.RLock()
         self._lending: dict[int, bool] = {}
-        self._proposals: dict[int, tuple[NodePolicy, tuple[Any, ...], LeaseBudgets, str | None]] = {}
-        """node id -> (policy, state without its clock, proposal, decode pressure) of the node's last
-        ``propose``."""
+        self._proposals: dict[
+            int, tuple[NodePolicy, tuple[Any, ...], LeaseBudgets, str | None, NodeState]
+        ] = {}
+        """node id -> (policy, state without its clock, proposal, decode pressure, the state object last
+        seen with them) of the node's last ``propose``."""
         self._arrived: set[int] = set()
         """Un-started reservations whose task has reached its node (so ``NodeState`` counts them)."""
         self._replay: list[tuple[int, NodePolicy, LeaseBudgets | None]] | None = None
@@ -196,11 +198,13 @@ class ClusterScheduler:
             replayable = self._update_itl_guard(states) and replayable
             replay: list[tuple[int, NodePolicy, LeaseBudgets | None]] = []
             shares = self.path.plan(now_s, states) or {}
+            reserved = ledger.has_reservations()  # False: no node has any (nor gets one below)
+            lend_scale, node_scale = self.lend_scale, self.node_scale
             for state in _by_node_id(states):
                 node_id = state.node_id
                 policy = self.policy_for(node_id)
                 headroom, pressure = self._propose(policy, state)
-                scale = self.lend_scale * self.node_scale.get(node_id, 1.0)
+                scale = lend_scale * node_scale.get(node_id, 1.0)
                 scale *= shares.get(node_id, 1.0)
                 if scale < 1.0 and not headroom.is_zero():
                     headroom = LeaseBudgets(
@@ -216,7 +220,8 @@ class ClusterScheduler:
                     node_revoked = ledger.revoke(node_id, now_s)
                     lease_budgets = LeaseBudgets.zero()
                     replay.append((node_id, policy, None))
-                elif not ledger.has_active(node_id):  # nothing held or pending: the headroom is the lease
+                elif not reserved or not ledger.has_active(node_id):
+                    # nothing held or pending: the headroom is the lease
                     lease_budgets = headroom
                     ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
                     node_revoked = []
@@ -230,7 +235,8 @@ class ClusterScheduler:
                     lease_budgets = headroom + reflected
                     ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
                     node_revoked = sorted(set(pending) - set(ledger.pending_ids(node_id)))
-                revoked.extend(node_revoked)
+                if node_revoked:
+                    revoked.extend(node_revoked)
                 # Record lease transitions (lending <-> decode pressure, or revocations), not every refresh.
                 lending = pressure is None and not lease_budgets.is_zero()
                 if node_revoked or self._lending.get(node_id) != lending:
@@ -245,7 +251,8 @@ class ClusterScheduler:
                             "revoked": node_revoked,
                         }
                     )
-            self._arrived.intersection_update(self.ledger.active_ids())
+            if self._arrived:
+                self._arrived.intersection_update(self.ledger.active_ids())
             self.path.observe(now_s, states)
             self._replay = replay if replayable and not revoked else None
             return sorted(revoked)
@@ -284,6 +291,12 @@ class ClusterScheduler:
                 self.path.observe(now_s, list(self.path.states.values()))
             return True
 
+    def accepts_unchanged_states(self) -> bool:
+        """Whether a reporter may hand a node's last ``NodeState`` object again, its ``time_s`` stale,
+        while nothing else in it has changed: node policies never read ``time_s`` (``NodePolicy``), nor
+        does a path policy that ``observes_only_states``. ``_propose`` then knows the state by identity."""
+        return observes_only_states(self.path)
+
     def _propose(self, policy: NodePolicy, state: NodeState) -> tuple[LeaseBudgets, str | None]:
         """``(policy.propose(state), policy.decode_pressure(state))`` (the pressure ``None`` for a policy
         without ``decode_pressure``), reused while the node's state apart from the clock is unchanged.
@@ -292,14 +305,22 @@ class ClusterScheduler:
         idle node (most ticks of a closed-loop trace: four in five on the agent sessions) costs no
         predictor call. The memo holds one entry per node and is keyed by the policy object too.
         """
-        key = _STATE_KEY(state)
         memo = self._proposals.get(state.node_id)
-        if memo is not None and memo[0] is policy and memo[1] == key:
+        if memo is not None and memo[0] is policy and memo[4] is state:
             return memo[2], memo[3]
-        headroom = policy.propose(state)
-        pressure_fn = getattr(policy, "decode_pressure", None)
-        pressure: str | None = pressure_fn(state) if pressure_fn is not None else None
-        self._proposals[state.node_id] = (policy, key, headroom, pressure)
+        key = _STATE_KEY(state)
+        if memo is not None and memo[0] is policy and memo[1] == key:
+            self._proposals[state.node_id] = (policy, key, memo[2], memo[3], state)
+            return memo[2], memo[3]
+        both = getattr(policy, "propose_with_pressure", None)
+        pressure: str | None
+        if both is not None:
+            headroom, pressure = both(state)
+        else:
+            headroom = policy.propose(state)
+            pressure_fn = getattr(policy, "decode_pressure", None)
+            pressure = pressure_fn(state) if pressure_fn is not None else None
+        self._proposals[state.node_id] = (policy, key, headroom, pressure, state)
         return headroom, pressure
 
     @staticmethod

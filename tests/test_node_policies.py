@@ -188,3 +188,18 @@ def test_registry_builds_by_name_from_one_context_and_accepts_plugins() -> None:
     assert registry.make("always_one", context()).propose(state()).is_zero()
     with pytest.raises(ValueError, match="identifier"):
         registry.register("not a name", lambda ctx: StaticPolicy())
+
+
+def test_smallest_chunk_breaks_is_a_zero_largest_chunk() -> None:
+    """The proposal's no-chunk test asks one step time; it agrees with the bisection's size being 0."""
+    from envs.cost_model import CostModel
+    from policies.node_policies import largest_chunk_within, smallest_chunk_breaks
+
+    config = ClusterConfig.from_shape("2P4D")
+    cost = ClusterEstimator(config, CostModel(config.gpu, config.model, config.tp))
+    for target in (0.005, 0.02, 0.04):
+        for max_chunk in (1, 64, 100, 8192):
+            for batch in (0, 1, 8, 64, 256):
+                for context in (0, 4_000, 400_000, 4_000_000):
+                    chunk, _ = largest_chunk_within(cost, batch, context, target, max_chunk)
+                    assert smallest_chunk_breaks(cost, batch, context, target, max_chunk) == (chunk == 0)

@@ -13,6 +13,7 @@ from envs.metrics import weighted_quantile
 from envs.prefix_cache import PrefixCache, PrefixIndex
 from envs.request import Request
 from envs.simulator import Simulator, simulate
+from policies.node_state import NodeState
 from policies.scheduler import ClusterScheduler
 from tests.fakes import ConstantPredictor, LinearCostModel, open_trace, session_trace
 
@@ -306,3 +307,93 @@ def test_replayed_control_intervals_are_exact(monkeypatch: pytest.MonkeyPatch) -
     assert replayed.granted_prefill_tokens() == full.granted_prefill_tokens()
     assert replayed.counters == full.counters
     assert list(replayed.scheduler.records) == list(full.scheduler.records)  # type: ignore[union-attr]
+
+
+def test_unchanged_idle_nodes_keep_their_state_object_exactly() -> None:
+    """At a full control interval an idle node whose state is unchanged since an earlier one is handed
+    that interval's ``NodeState`` object again (its clock stale); the run is identical to one where
+    every state is built anew: requests, metrics, node timeline, granted tokens, counters, records."""
+    from train.experiment import Point, build_scheduler, prepare_trace, session_rate
+
+    point = Point(policy="heuristic", trace="agent", max_requests=6, session_rate_per_s=0.02)
+    trace = prepare_trace(point)
+    config, cost_model = point.cluster(), point.cost_model()
+    sims = []
+    for reuse in (True, False):
+        sim = Simulator(
+            trace,
+            config,
+            scheduler=build_scheduler(point.policy, config, cost_model),
+            cost_model=cost_model,
+            session_rate_per_s=session_rate(point, trace),
+        )
+        sim._replay_interval = None  # every interval in full
+        if not reuse:
+            sim._accepts_unchanged = None
+        sims.append(sim)
+    reused, built = sims
+    stale = []
+    handed = reused.scheduler.on_control_interval  # type: ignore[union-attr]
+
+    def watched(now_s: float, states: list[NodeState]) -> list[int]:
+        stale.extend(s for s in states if s.time_s < now_s)
+        return handed(now_s, states)
+
+    reused.scheduler.on_control_interval = watched  # type: ignore[union-attr,method-assign]
+    reused.run()
+    built.run()
+    assert stale
+    a, b = reused.result(), built.result()
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    assert a.metrics == b.metrics
+    assert reused.node_timeline == built.node_timeline
+    assert reused.granted_prefill_tokens() == built.granted_prefill_tokens()
+    assert reused.counters == built.counters
+    assert list(reused.scheduler.records) == list(built.scheduler.records)  # type: ignore[union-attr]
+
+
+def test_jumps_accounted_in_pieces_from_their_running_sums_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A jump applied in pieces (control intervals read the node mid-jump) is accounted from its
+    nanosecond counts and running sums made once; the run equals one that rounds and sums every
+    piece anew (busy time, ITL histogram, SLO misses, counters, requests)."""
+    from train.experiment import Point, build_scheduler, prepare_trace, session_rate
+
+    point = Point(policy="heuristic", trace="agent", max_requests=6, session_rate_per_s=0.02)
+    trace = prepare_trace(point)
+    config, cost_model = point.cluster(), point.cost_model()
+    pieces = []
+    account_jump = Simulator._account_jump
+
+    def counted(self: Simulator, *args: int) -> bool:
+        done = account_jump(self, *args)  # type: ignore[arg-type]
+        pieces.append(done)
+        return done
+
+    def run(fast: bool) -> Simulator:
+        monkeypatch.setattr(Simulator, "_account_jump", counted if fast else lambda *a: False)
+        sim = Simulator(
+            trace,
+            config,
+            scheduler=build_scheduler(point.policy, config, cost_model),
+            cost_model=cost_model,
+            session_rate_per_s=session_rate(point, trace),
+        )
+        sim.run()
+        return sim
+
+    fast, slow = run(True), run(False)
+    assert any(pieces)
+    a, b = fast.result(), slow.result()
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    assert a.metrics == b.metrics and fast.counters == slow.counters
+    for u, v in zip(fast.decode, slow.decode, strict=True):
+        assert (u.busy_ns, u.decode_tokens_total, u.iterations) == (
+            v.busy_ns,
+            v.decode_tokens_total,
+            v.iterations,
+        )
+        assert (u.itl._counts, u.itl.weighted_ns, u.itl.tokens) == (
+            v.itl._counts,
+            v.itl.weighted_ns,
+            v.itl.tokens,
+        )

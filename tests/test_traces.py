@@ -412,3 +412,19 @@ def test_sample_and_split_sessions_keep_references_valid() -> None:
     assert sample.requests == sample_sessions(agent, 5, np.random.default_rng(0)).requests
     with pytest.raises(ValueError, match="session id"):
         sample_sessions(load_trace("mooncake"), 2, np.random.default_rng(0))
+
+
+def test_a_bundled_trace_is_read_once_and_each_load_is_its_own() -> None:
+    """A second ``load_trace`` of a bundled name reuses the parsed file; each caller gets its own
+    request list and meta, equal to the first."""
+    import envs.traces as traces
+
+    traces._BUNDLED_LOADED.pop("mooncake", None)
+    first = traces.load_trace("mooncake")
+    second = traces.load_trace("mooncake")
+    assert first.requests == second.requests and first.meta == second.meta
+    assert first.requests is not second.requests and first.meta is not second.meta
+    first.requests.pop()
+    first.meta["x"] = 1
+    third = traces.load_trace("mooncake")
+    assert third.requests == second.requests and "x" not in third.meta
