@@ -230,36 +230,16 @@ class LeasePath(PathPolicy):
         super().observe(now_s, states)
         if self.mixed_share_budget is None:
             return
-        tokens, seen_totals = self._tokens, self._seen_totals
-        # DecayedSum.add of both sums, inlined: every window is updated at every interval, so they
-        # share their last time and one decay factor serves them all (the same expression, so the
-        # same float)
-        decay_key: tuple[float, float] | None = None
-        decay = 1.0
         for s in states:
-            node_id = s.node_id
-            pair = tokens.get(node_id)
-            if pair is None:
-                pair = tokens[node_id] = (
-                    DecayedSum(self.mixed_share_window_s),
-                    DecayedSum(self.mixed_share_window_s),
-                )
-            decode_total, mixed_total = s.decode_tokens_total, s.mixed_decode_tokens_total
-            seen_decode, seen_mixed = seen_totals.get(node_id, (0, 0))
-            if decode_total < seen_decode or mixed_total < seen_mixed:
+            decode, mixed = self._tokens.setdefault(
+                s.node_id, (DecayedSum(self.mixed_share_window_s), DecayedSum(self.mixed_share_window_s))
+            )
+            seen_decode, seen_mixed = self._seen_totals.get(s.node_id, (0, 0))
+            if s.decode_tokens_total < seen_decode or s.mixed_decode_tokens_total < seen_mixed:
                 seen_decode = seen_mixed = 0  # the node restarted
-            for window, x in ((pair[0], decode_total - seen_decode), (pair[1], mixed_total - seen_mixed)):
-                t_s = window.t_s
-                if now_s <= t_s or t_s == -math.inf:
-                    window.total = window.total + x
-                    window.t_s = max(t_s, now_s)
-                    continue
-                if decay_key != (t_s, window.tau_s):
-                    decay_key = (t_s, window.tau_s)
-                    decay = math.exp(-(now_s - t_s) / window.tau_s)
-                window.total = window.total * decay + x
-                window.t_s = now_s
-            seen_totals[node_id] = (decode_total, mixed_total)
+            decode.add(now_s, s.decode_tokens_total - seen_decode)
+            mixed.add(now_s, s.mixed_decode_tokens_total - seen_mixed)
+            self._seen_totals[s.node_id] = (s.decode_tokens_total, s.mixed_decode_tokens_total)
 
     def mixed_share(self, node_id: int) -> float:
         """Share of ``node_id``'s decode tokens over the decayed window that came out of iterations with

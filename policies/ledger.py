@@ -290,9 +290,7 @@ class LeaseLedger:
         carry over the un-committed reservations that fit, revoke the rest."""
         node_id = lease.node_id
         if previous is not None:
-            # _grant(previous, since, now_s), inlined (the hot path: every node, every interval)
-            live_s = min(now_s, previous.issued_s + previous.ttl_s) - self._grant_from_s[node_id]
-            grant = previous.budgets.prefill_tokens / previous.ttl_s * live_s if live_s > 0 else 0.0
+            grant = _grant(previous, self._grant_from_s[node_id], now_s)
             self._granted_closed[node_id] = self._granted_closed.get(node_id, 0.0) + grant
         self._grant_from_s[node_id] = now_s
         self._leases[node_id] = lease

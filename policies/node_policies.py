@@ -311,8 +311,7 @@ def largest_chunk_within(
 
     if decode_batch == 0:
         return max_chunk_tokens, step(max_chunk_tokens)
-    smallest = min(CHUNK_GRANULARITY_TOKENS, max_chunk_tokens)
-    if step(smallest) > step_target_s:
+    if smallest_chunk_breaks(cost, decode_batch, decode_context_tokens, step_target_s, max_chunk_tokens):
         return 0, 0.0
     if step(max_chunk_tokens) <= step_target_s:
         return max_chunk_tokens, step(max_chunk_tokens)
@@ -332,8 +331,8 @@ def smallest_chunk_breaks(
     max_chunk_tokens: int,
 ) -> bool:
     """Whether ``largest_chunk_within(...)`` with these arguments finds no chunk (size 0): a running
-    batch whose iteration with even the smallest chunk breaks ``step_target_s``. The same first test
-    ``largest_chunk_within`` makes, without the bisection that sizes a chunk that does fit."""
+    batch whose iteration with even the smallest chunk breaks ``step_target_s``: ``largest_chunk_within``'s
+    first test, without the bisection that sizes a chunk that does fit."""
     if decode_batch == 0:
         return False
     smallest = min(CHUNK_GRANULARITY_TOKENS, max_chunk_tokens)
