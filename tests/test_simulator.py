@@ -265,16 +265,39 @@ def test_conservation_with_borrowing_and_revocations() -> None:
     assert not scheduler.ledger.active_ids()  # every reservation was released
 
 
-def test_replayed_control_intervals_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Control intervals that see every decode node idle and unchanged since the last one (including
-    intervals that only prefill iterations separate) are replayed by the scheduler, and the run is
-    identical to one where every interval runs in full: requests, metrics, node timeline, granted
-    tokens, counters and the scheduler's records."""
+def _small_agent_heuristic() -> Simulator:
+    """A simulator of the first 6 agent requests under the heuristic on the default cluster."""
     from train.experiment import Point, build_scheduler, prepare_trace, session_rate
 
     point = Point(policy="heuristic", trace="agent", max_requests=6, session_rate_per_s=0.02)
     trace = prepare_trace(point)
     config, cost_model = point.cluster(), point.cost_model()
+    return Simulator(
+        trace,
+        config,
+        scheduler=build_scheduler(point.policy, config, cost_model),
+        cost_model=cost_model,
+        session_rate_per_s=session_rate(point, trace),
+    )
+
+
+def _assert_same_run(x: Simulator, y: Simulator) -> None:
+    """Two finished runs are identical: requests, metrics, node timeline, granted tokens, counters
+    and the scheduler's records."""
+    a, b = x.result(), y.result()
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    assert a.metrics == b.metrics
+    assert x.node_timeline == y.node_timeline
+    assert x.granted_prefill_tokens() == y.granted_prefill_tokens()
+    assert x.counters == y.counters
+    assert list(x.scheduler.records) == list(y.scheduler.records)  # type: ignore[union-attr]
+
+
+def test_replayed_control_intervals_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control intervals that see every decode node idle and unchanged since the last one (including
+    intervals that only prefill iterations separate) are replayed by the scheduler, and the run is
+    identical to one where every interval runs in full: requests, metrics, node timeline, granted
+    tokens, counters and the scheduler's records."""
     busy_prefill_at_replay = []
     replay = ClusterScheduler.replay_control_interval
 
@@ -285,13 +308,7 @@ def test_replayed_control_intervals_are_exact(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(ClusterScheduler, "replay_control_interval", watched)
     sims = []
     for replays in (True, False):
-        sim = Simulator(
-            trace,
-            config,
-            scheduler=build_scheduler(point.policy, config, cost_model),
-            cost_model=cost_model,
-            session_rate_per_s=session_rate(point, trace),
-        )
+        sim = _small_agent_heuristic()
         if not replays:
             sim._replay_interval = None
         sims.append(sim)
@@ -300,33 +317,16 @@ def test_replayed_control_intervals_are_exact(monkeypatch: pytest.MonkeyPatch) -
     assert replayed.ticks == full.ticks and full.ticks_replayed == 0
     assert 0 < replayed.ticks_replayed < replayed.ticks
     assert any(busy_prefill_at_replay)  # prefill iterations between intervals do not prevent a replay
-    a, b = replayed.result(), full.result()
-    pd.testing.assert_frame_equal(a.requests, b.requests)
-    assert a.metrics == b.metrics
-    assert replayed.node_timeline == full.node_timeline
-    assert replayed.granted_prefill_tokens() == full.granted_prefill_tokens()
-    assert replayed.counters == full.counters
-    assert list(replayed.scheduler.records) == list(full.scheduler.records)  # type: ignore[union-attr]
+    _assert_same_run(replayed, full)
 
 
 def test_unchanged_idle_nodes_keep_their_state_object_exactly() -> None:
     """At a full control interval an idle node whose state is unchanged since an earlier one is handed
     that interval's ``NodeState`` object again (its clock stale); the run is identical to one where
     every state is built anew: requests, metrics, node timeline, granted tokens, counters, records."""
-    from train.experiment import Point, build_scheduler, prepare_trace, session_rate
-
-    point = Point(policy="heuristic", trace="agent", max_requests=6, session_rate_per_s=0.02)
-    trace = prepare_trace(point)
-    config, cost_model = point.cluster(), point.cost_model()
     sims = []
     for reuse in (True, False):
-        sim = Simulator(
-            trace,
-            config,
-            scheduler=build_scheduler(point.policy, config, cost_model),
-            cost_model=cost_model,
-            session_rate_per_s=session_rate(point, trace),
-        )
+        sim = _small_agent_heuristic()
         sim._replay_interval = None  # every interval in full
         if not reuse:
             sim._accepts_unchanged = None
@@ -343,24 +343,13 @@ def test_unchanged_idle_nodes_keep_their_state_object_exactly() -> None:
     reused.run()
     built.run()
     assert stale
-    a, b = reused.result(), built.result()
-    pd.testing.assert_frame_equal(a.requests, b.requests)
-    assert a.metrics == b.metrics
-    assert reused.node_timeline == built.node_timeline
-    assert reused.granted_prefill_tokens() == built.granted_prefill_tokens()
-    assert reused.counters == built.counters
-    assert list(reused.scheduler.records) == list(built.scheduler.records)  # type: ignore[union-attr]
+    _assert_same_run(reused, built)
 
 
 def test_jumps_accounted_in_pieces_from_their_running_sums_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """A jump applied in pieces (control intervals read the node mid-jump) is accounted from its
     nanosecond counts and running sums made once; the run equals one that rounds and sums every
     piece anew (busy time, ITL histogram, SLO misses, counters, requests)."""
-    from train.experiment import Point, build_scheduler, prepare_trace, session_rate
-
-    point = Point(policy="heuristic", trace="agent", max_requests=6, session_rate_per_s=0.02)
-    trace = prepare_trace(point)
-    config, cost_model = point.cluster(), point.cost_model()
     pieces = []
     account_jump = Simulator._account_jump
 
@@ -371,13 +360,7 @@ def test_jumps_accounted_in_pieces_from_their_running_sums_are_exact(monkeypatch
 
     def run(fast: bool) -> Simulator:
         monkeypatch.setattr(Simulator, "_account_jump", counted if fast else lambda *a: False)
-        sim = Simulator(
-            trace,
-            config,
-            scheduler=build_scheduler(point.policy, config, cost_model),
-            cost_model=cost_model,
-            session_rate_per_s=session_rate(point, trace),
-        )
+        sim = _small_agent_heuristic()
         sim.run()
         return sim
 
