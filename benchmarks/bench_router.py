@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -66,10 +66,12 @@ def _on(background: BackgroundCluster, coro: Any) -> Any:
 class DecisionLog:
     """Every path decision a scheduler's path policy makes, with the inputs behind it: the query's
     queue wait, the normal and best borrow estimates, and (for ``LeasePath``) each node's
-    mixed-iteration share, the late share and each node's lease prefill budget left. It wraps the
-    policy's ``choose`` (the decision itself is untouched)."""
+    mixed-iteration share, the late share and each node's lease prefill budget left; with
+    ``worker_queued``, also the chosen prefill worker's own count of queued uncomputed tokens at that
+    moment (what the router's ``PrefillQueue`` estimates). It wraps the policy's ``choose`` (the
+    decision itself is untouched)."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, worker_queued: Callable[[int], int] | None = None) -> None:
         self.rows: list[dict[str, Any]] = []
         path = scheduler.path
         choose = path.choose
@@ -88,6 +90,8 @@ class DecisionLog:
             }
             if shares:
                 row["mixed_share"] = {n: round(path.mixed_share(n), 5) for n in nodes}
+            if worker_queued is not None:
+                row["worker_queued_tokens"] = worker_queued(q.normal_prefill_worker)
             d = choose(q, now_s, ledger)
             row.update(
                 path=d.path,
@@ -167,6 +171,20 @@ def _write_decisions(
     return [f"per-request decisions: {path} ({diverged} of {len(trace.requests)} took another path)"]
 
 
+def _queue_error(rows: list[dict[str, Any]]) -> list[str]:
+    """How the router's prefill-queue estimate read against the chosen worker's own count, over its
+    decisions: mean error (bias) and mean absolute error, in tokens."""
+    errors = [r["queued_tokens"] - r["worker_queued_tokens"] for r in rows if "worker_queued_tokens" in r]
+    if not errors:
+        return []
+    bias, mae = sum(errors) / len(errors), sum(abs(e) for e in errors) / len(errors)
+    exact = sum(e == 0 for e in errors)
+    return [
+        f"router prefill-queue estimate against the worker's own count over {len(errors)} decisions: "
+        f"mean error {bias:+,.0f} tokens, mean absolute error {mae:,.0f}, exact {exact}"
+    ]
+
+
 def _reason_table(sim: Counter[str], router: Counter[str]) -> list[str]:
     lines = [f"{'decisions by reason':<28}{'simulate':>10}{'router':>10}"]
     for reason in sorted(set(sim) | set(router)):
@@ -190,7 +208,11 @@ def agree(args: argparse.Namespace) -> None:
     background = BackgroundCluster(EmulatedCluster(live))
     with background as cluster:
         router_scheduler = build_scheduler(args.policy, config, cm)
-        router_log = DecisionLog(router_scheduler) if router_scheduler is not None else None
+
+        def worker_queued(idx: int) -> int:
+            return live.sim.prefill[idx].queued_tokens
+
+        router_log = DecisionLog(router_scheduler, worker_queued) if router_scheduler is not None else None
         stack = CrossflowStack(cluster, scheduler=router_scheduler, estimator=ClusterEstimator(config, cm))
         _on(background, stack.start())
         t0 = time.monotonic()
@@ -225,6 +247,9 @@ def agree(args: argparse.Namespace) -> None:
     sim_reasons = Counter(row["reason"] for row in (sim_log.rows if sim_log else []))
     for line in _reason_table(sim_reasons, router_reasons):
         print(line)
+    if router_log is not None:
+        for line in _queue_error(router_log.rows):
+            print(line)
     if args.decisions_out:
         for line in _write_decisions(args.decisions_out, trace, sim_log, router_log):
             print(line)

@@ -51,6 +51,11 @@ class ClusterEstimator:
         """Time a prefill worker needs for ``queued_tokens`` already queued ahead (no cache assumed)."""
         return self.prefill_time_s(queued_tokens) if queued_tokens > 0 else 0.0
 
+    def prefill_iteration_time_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """One prefill worker iteration computing ``chunks`` (``(tokens, tokens before them)`` of each
+        prompt it packs), as the simulator times it."""
+        return self.cost_model.iteration_time_s(chunks)
+
     def kv_transfer_time_s(self, tokens: int) -> float:
         """One transfer of ``tokens`` tokens' KV over an otherwise idle link."""
         return self.cost_model.kv_transfer_time_s(

@@ -151,6 +151,8 @@ class QueueEstimator(Protocol):
 
     def queue_wait_s(self, queued_tokens: int) -> float: ...
 
+    def prefill_iteration_time_s(self, chunks: Sequence[tuple[int, int]]) -> float: ...
+
 
 @dataclass(frozen=True)
 class PolicyInfo:
@@ -217,7 +219,7 @@ class RouterConfig:
     vocab_size: int = 32_000
     page_tokens: int = 1
     prefill_chunk_tokens: int = 0
-    """The prefill workers' chunk (``PrefillQueue``); 0: their queue is counted as if continuous."""
+    """The prefill workers' per-iteration token budget (``PrefillQueue``); 0: a whole prompt per iteration."""
     kv_capacity_tokens: int = 0
     decode_prefix_cache: bool = False
     prefill_routing: str = "cache_aware"
@@ -300,62 +302,80 @@ class PageTrees:
 
 
 class PrefillQueue:
-    """The router's estimate of one prefill worker's uncomputed queue: requests in dispatch order,
-    each expected done when the work ahead of it and its own prefill (the estimator's time) are;
-    an entry leaves at that time or when the worker answers, whichever comes first. It stands for
-    what the simulator's path query reads from the worker itself (its queued uncomputed tokens).
+    """The router's estimate of one prefill worker's uncomputed queue: it replays the worker's
+    schedule from the requests the router sent there, in dispatch order. Each iteration packs up to
+    ``chunk_tokens`` of the queue head (several small prompts share one iteration, a long one runs in
+    chunks), as the simulator's prefill worker does, and takes ``iteration_time_s`` of those chunks
+    (``(tokens, tokens before them)`` pairs: the estimator's cost model). A request's tokens leave the
+    count when the iteration that computes them ends, or all at once when the worker answers. With
+    ``chunk_tokens`` 0 an iteration is one whole prompt. It stands for what the simulator's path
+    query reads from the worker itself (its queued uncomputed tokens); what it cannot see is a prompt
+    the worker holds back until the decode side has room for its KV (``docs/serving.md``)."""
 
-    A worker computes a prompt in chunks of up to ``chunk_tokens`` and its count drops by a chunk
-    when that chunk's iteration ends, so a request being computed counts its chunks not yet ended
-    (its time split evenly between them); with ``chunk_tokens`` 0 it counts the share of it not yet
-    done. Each prompt is timed alone, while a worker packs small prompts into shared iterations, so
-    behind many small prompts the count reads high (``docs/serving.md``, agreement section)."""
-
-    def __init__(self, chunk_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        chunk_tokens: int = 0,
+        iteration_time_s: Callable[[Sequence[tuple[int, int]]], float] | None = None,
+    ) -> None:
         if chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
         self.chunk_tokens = chunk_tokens
-        self._entries: OrderedDict[int, tuple[float, float, int]] = OrderedDict()
-        """key -> (expected start, expected end, tokens)."""
-        self._tail_s = 0.0
+        self.iteration_time_s = iteration_time_s or (lambda chunks: 0.0)
+        self._entries: OrderedDict[int, list[int]] = OrderedDict()
+        """key -> [tokens not yet computed, tokens before them (cached or computed)]."""
+        self._batch: list[tuple[int, int]] = []
+        """The iteration being replayed: (key, tokens it computes)."""
+        self._batch_end_s: float | None = None
+        """When it ends (None: the worker is idle)."""
         self._next = 0
 
-    def add(self, tokens: int, duration_s: float, now_s: float) -> int:
-        """Count ``tokens`` of prefill taking ``duration_s`` alone; the entry's key (for ``remove``)."""
-        self._drop(now_s)
-        start_s = max(now_s, self._tail_s)
-        self._tail_s = start_s + duration_s
+    def add(self, tokens: int, cached_tokens: int, now_s: float) -> int:
+        """Queue ``tokens`` of prefill after ``cached_tokens`` of cached prefix; the entry's key (for
+        ``remove``)."""
+        self._advance(now_s)
         self._next += 1
-        self._entries[self._next] = (start_s, self._tail_s, tokens)
+        if tokens > 0:
+            self._entries[self._next] = [tokens, cached_tokens]
+            if self._batch_end_s is None:
+                self._start(now_s)
         return self._next
 
     def remove(self, key: int) -> None:
+        """The worker answered: the request's tokens leave the count (an iteration it shared still
+        ends when replayed)."""
         self._entries.pop(key, None)
 
-    def _drop(self, now_s: float) -> None:
-        while self._entries:
-            key, (_, done_s, _) = next(iter(self._entries.items()))
-            if done_s > now_s:
+    def _start(self, now_s: float) -> None:
+        budget = self.chunk_tokens
+        batch: list[tuple[int, int]] = []
+        chunks: list[tuple[int, int]] = []
+        for key, (left, before) in self._entries.items():
+            take = min(left, budget) if budget else left
+            batch.append((key, take))
+            chunks.append((take, before))
+            budget -= take
+            if budget <= 0:
                 break
-            del self._entries[key]
+        self._batch = batch
+        self._batch_end_s = now_s + self.iteration_time_s(chunks) if batch else None
+
+    def _advance(self, now_s: float) -> None:
+        while self._batch_end_s is not None and self._batch_end_s <= now_s:
+            for key, take in self._batch:
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                entry[0] -= take
+                entry[1] += take
+                if entry[0] <= 0:
+                    del self._entries[key]
+            self._start(self._batch_end_s)
 
     def tokens(self, now_s: float) -> int:
-        """Uncomputed tokens expected still queued at ``now_s`` (one being computed counts its
-        chunks not yet ended, or without chunks the share of it not yet done)."""
-        self._drop(now_s)
-        total = 0.0
-        chunk = self.chunk_tokens
-        for start_s, done_s, tokens in self._entries.values():
-            if start_s >= now_s or done_s <= start_s:
-                total += tokens
-                continue
-            done_share = (now_s - start_s) / (done_s - start_s)
-            if chunk:
-                chunks_ended = math.floor(done_share * -(-tokens // chunk))
-                total += max(0, tokens - chunks_ended * chunk)
-            else:
-                total += tokens * (1.0 - done_share)
-        return int(total)
+        """Uncomputed tokens expected still queued at ``now_s`` (those of the iteration being
+        computed count until it ends)."""
+        self._advance(now_s)
+        return sum(left for left, _ in self._entries.values())
 
 
 class LegFailed(Exception):
@@ -462,7 +482,8 @@ class Router:
         self._prefill_trees = PageTrees(len(self.prefill), block, max_pages)
         self._decode_trees = PageTrees(len(self.decode), block, max_pages)
         self._hasher = PrefixResolver(block)
-        self._prefill_queues = [PrefillQueue(config.prefill_chunk_tokens) for _ in self.prefill]
+        timing = estimator.prefill_iteration_time_s if estimator is not None else None
+        self._prefill_queues = [PrefillQueue(config.prefill_chunk_tokens, timing) for _ in self.prefill]
         self._decode_kv = [0] * len(self.decode)
         self._overloaded: dict[str, list[bool]] = {
             "prefill": [False] * len(self.prefill),
@@ -1056,8 +1077,7 @@ class Router:
             self.prefill_pool.dispatched(p.idx)
             n_in = len(gen.token_ids)
             cached = min(self._prefill_trees.match_tokens(p.idx, flight.hashes, n_in), n_in - 1)
-            duration_s = self.estimator.queue_wait_s(n_in - cached) if self.estimator is not None else 0.0
-            flight.prefill_entry = self._prefill_queues[p.idx].add(n_in - cached, duration_s, self.now_s())
+            flight.prefill_entry = self._prefill_queues[p.idx].add(n_in - cached, cached, self.now_s())
             self._prefill_trees.insert(p.idx, flight.hashes)
 
     def _prefill_left(self, flight: _Flight, p: Worker) -> None:

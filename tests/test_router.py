@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -111,33 +111,55 @@ def test_page_trees_and_prefill_queue() -> None:
     assert trees.match_tokens(0, [1, 2, 9], 12) == 8 and trees.match_tokens(1, [1], 4) == 0
     trees.insert(0, [7])  # least recently used page dropped
     assert trees.match_tokens(0, [1, 2], 8) == 0 and trees.matches([2, 3], 8, [0, 1]) == {0: 8}
-    queue = PrefillQueue()
-    first = queue.add(100, 1.0, 0.0)
-    queue.add(50, 1.0, 0.0)  # starts after the first: done at 2.0
-    assert queue.tokens(0.0) == 150 and queue.tokens(0.5) == 100  # half of the first is done
-    assert queue.tokens(1.5) == 25 and queue.tokens(2.0) == 0
-    second = queue.add(10, 1.0, 3.0)
-    queue.remove(second)
+    queue = PrefillQueue()  # no timing: a prompt is done as soon as it is queued
+    first = queue.add(100, 0, 0.0)
+    assert queue.tokens(0.0) == 0
     queue.remove(first)  # gone already: no error
-    assert queue.tokens(3.0) == 0
 
 
-def test_the_prefill_queue_counts_a_running_prompt_by_its_chunks_not_yet_ended() -> None:
-    """A chunked-prefill worker's count of uncomputed tokens (what the simulator's path query reads)
-    drops by a chunk when that chunk's iteration ends, not continuously: the router's estimate does
-    the same (continuously it read half a chunk low on average), with the cluster's chunk size."""
+def test_the_prefill_queue_replays_the_workers_packed_and_chunked_iterations() -> None:
+    """A chunked-prefill worker packs small prompts into one iteration and runs a long one in
+    chunks; its count of uncomputed tokens (what the simulator's path query reads) drops when an
+    iteration ends. The router's estimate replays that schedule with the estimator's iteration time
+    (timing each prompt alone read high behind many small prompts: a fixed cost per iteration)."""
     from serving.stack import router_config_for
 
-    queue = PrefillQueue(chunk_tokens=100)
-    queue.add(250, 3.0, 0.0)  # chunks of 100, 100 and 50 tokens, a second each
-    queue.add(40, 1.0, 0.0)  # queued behind it: counted whole until it runs
-    assert [queue.tokens(t) for t in (0.0, 0.5, 0.99)] == [290, 290, 290]
-    assert [queue.tokens(t) for t in (1.0, 1.5, 2.5, 3.0, 3.5, 4.0)] == [190, 190, 90, 40, 40, 0]
+    seen: list[list[tuple[int, int]]] = []
+
+    def iteration_s(chunks: Sequence[tuple[int, int]]) -> float:
+        seen.append(list(chunks))
+        return 0.1 + 0.001 * sum(t for t, _ in chunks)
+
+    e = 1e-9
+    queue = PrefillQueue(chunk_tokens=100, iteration_time_s=iteration_s)
+    queue.add(40, 0, 0.0)  # an idle worker starts it alone: done at 0.14
+    queue.add(50, 8, 0.0)  # these two arrive while it runs and share the next iteration
+    queue.add(30, 0, 0.0)
+    assert [queue.tokens(t) for t in (0.0, 0.14 - e, 0.14 + e, 0.32 - e, 0.32 + e)] == [120, 120, 80, 80, 0]
+    assert seen == [[(40, 0)], [(50, 8), (30, 0)]]
+    seen.clear()
+    queue.add(250, 10, 1.0)  # chunks of 100: iterations end at 1.2 and 1.4
+    queue.add(40, 0, 1.0)  # waits: its tokens count whole until the iteration computing them ends
+    assert [queue.tokens(t) for t in (1.0, 1.2 - e, 1.2 + e, 1.4 - e, 1.4 + e)] == [290, 290, 190, 190, 90]
+    assert queue.tokens(1.59 - e) == 90 and queue.tokens(1.59 + e) == 0  # 50 + 40 packed
+    assert seen == [[(100, 10)], [(100, 110)], [(50, 210), (40, 0)]]  # each chunk after its prefix
+    long = queue.add(300, 0, 2.0)
+    queue.add(30, 0, 2.0)
+    queue.remove(long)  # the worker answered: its tokens leave at once
+    assert queue.tokens(2.0) == 30 and queue.tokens(2.2 + e) == 30 and queue.tokens(2.33 + e) == 0
+    whole = PrefillQueue(chunk_tokens=0, iteration_time_s=iteration_s)  # a whole prompt per iteration
+    whole.add(250, 0, 0.0)
+    whole.add(40, 0, 0.0)
+    assert [whole.tokens(t) for t in (0.35 - e, 0.35 + e, 0.49 + e)] == [290, 40, 0]
     with pytest.raises(ValueError, match="chunk_tokens"):
         PrefillQueue(chunk_tokens=-1)
     config = ClusterConfig(n_prefill=1, n_decode=1, prefill_chunk_tokens=4096)
-    routed = router_config_for(config, CostModel(*MODEL), [("http://p", 1)], ["http://d"])
+    cm = CostModel(*MODEL)
+    routed = router_config_for(config, cm, [("http://p", 1)], ["http://d"])
     assert routed.prefill_chunk_tokens == 4096
+    estimator = ClusterEstimator(config, cm)
+    chunks = [(512, 0), (256, 64)]
+    assert estimator.prefill_iteration_time_s(chunks) == cm.iteration_time_s(chunks)
 
 
 def test_a_legs_body_is_the_clients_encoded_once_plus_the_legs_fields() -> None:
