@@ -85,6 +85,7 @@ class DecisionLog:
                 "input_tokens": q.input_tokens,
                 "output_tokens": q.expected_output_tokens,
                 "queued_tokens": q.normal_queued_tokens,
+                "prefill_cached_tokens": q.prefill_cached_tokens,
                 "queue_wait_s": round(q.normal_queue_wait_s, 4),
                 "lease_prefill_left": {n: ledger.available(n, now_s).prefill_tokens for n in nodes},
             }

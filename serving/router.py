@@ -340,9 +340,11 @@ class PrefillQueue:
                 self._start(now_s)
         return self._next
 
-    def remove(self, key: int) -> None:
-        """The worker answered: the request's tokens leave the count (an iteration it shared still
-        ends when replayed)."""
+    def remove(self, key: int, now_s: float) -> None:
+        """The worker answered at ``now_s``: the request's tokens leave the count (an iteration it
+        shared still ends when replayed). The replay first catches up to ``now_s``, so the schedule
+        before the answer stays what it was."""
+        self._advance(now_s)
         self._entries.pop(key, None)
 
     def _start(self, now_s: float) -> None:
@@ -1083,7 +1085,7 @@ class Router:
     def _prefill_left(self, flight: _Flight, p: Worker) -> None:
         """The prefill worker is done with the request (answered, failed, or its first token came)."""
         if flight.prefill_entry is not None:
-            self._prefill_queues[p.idx].remove(flight.prefill_entry)
+            self._prefill_queues[p.idx].remove(flight.prefill_entry, self.now_s())
             flight.prefill_entry = None
 
     def _leave(self, flight: _Flight, d: Worker) -> None:

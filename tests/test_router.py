@@ -114,7 +114,7 @@ def test_page_trees_and_prefill_queue() -> None:
     queue = PrefillQueue()  # no timing: a prompt is done as soon as it is queued
     first = queue.add(100, 0, 0.0)
     assert queue.tokens(0.0) == 0
-    queue.remove(first)  # gone already: no error
+    queue.remove(first, 0.0)  # gone already: no error
 
 
 def test_the_prefill_queue_replays_the_workers_packed_and_chunked_iterations() -> None:
@@ -145,8 +145,15 @@ def test_the_prefill_queue_replays_the_workers_packed_and_chunked_iterations() -
     assert seen == [[(100, 10)], [(100, 110)], [(50, 210), (40, 0)]]  # each chunk after its prefix
     long = queue.add(300, 0, 2.0)
     queue.add(30, 0, 2.0)
-    queue.remove(long)  # the worker answered: its tokens leave at once
+    queue.remove(long, 2.0)  # the worker answered: its tokens leave at once
     assert queue.tokens(2.0) == 30 and queue.tokens(2.2 + e) == 30 and queue.tokens(2.33 + e) == 0
+    # an answer comes in real time, the count is read later: the replay keeps the schedule it had
+    late = PrefillQueue(chunk_tokens=100, iteration_time_s=iteration_s)
+    late.add(100, 0, 0.0)  # alone: done at 0.2
+    second = late.add(50, 0, 0.0)  # next: done at 0.35
+    late.add(40, 0, 0.0)
+    late.remove(second, 0.3)  # answered while its iteration ran: the one after it starts at 0.35
+    assert late.tokens(0.3) == 40 and late.tokens(0.35 + e) == 40 and late.tokens(0.49 + e) == 0
     whole = PrefillQueue(chunk_tokens=0, iteration_time_s=iteration_s)  # a whole prompt per iteration
     whole.add(250, 0, 0.0)
     whole.add(40, 0, 0.0)
