@@ -139,6 +139,8 @@ class LeasePath(PathPolicy):
         mixed_share_rescue: share of recent requests late on their normal path past which a late
             request may borrow past the budget where that meets its TTFT SLO (rule 3b); ``None``:
             never.
+        mixed_share_rescue_window_s: time constant of the window over which that late share is
+            counted; ``None``: ``mixed_share_window_s``.
     """
 
     uses_leases = True
@@ -159,6 +161,7 @@ class LeasePath(PathPolicy):
         mixed_share_budget: float | None = None,
         mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
         mixed_share_rescue: float | None = None,
+        mixed_share_rescue_window_s: float | None = None,
     ) -> None:
         super().__init__()
         if mixed_share_budget is not None and not 0 <= mixed_share_budget < 1:
@@ -176,8 +179,13 @@ class LeasePath(PathPolicy):
         self._tokens: dict[int, tuple[DecayedSum, DecayedSum]] = {}
         self._seen_totals: dict[int, tuple[int, int]] = {}
         """node -> (decode tokens, of them mixed) over the decayed window (rule 3b)."""
-        self._requests = DecayedSum(mixed_share_window_s)
-        self._late = DecayedSum(mixed_share_window_s)
+        rescue_window_s = (
+            mixed_share_window_s if mixed_share_rescue_window_s is None else mixed_share_rescue_window_s
+        )
+        if not 0 < rescue_window_s < math.inf:
+            raise ValueError(f"mixed_share_rescue_window_s must be finite and > 0, got {rescue_window_s!r}")
+        self._requests = DecayedSum(rescue_window_s)
+        self._late = DecayedSum(rescue_window_s)
         """Requests seen, and of them late on their normal path, over the same window."""
         if shed_ttft_factor is not None and not (shed_ttft_factor >= 1 and slo_ttft_s < math.inf):
             raise ValueError(
@@ -436,6 +444,7 @@ def _make_lease_path(
     mixed_share_budget: float | None = DEFAULT_MIXED_SHARE_BUDGET,
     mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
     mixed_share_rescue: float | None = DEFAULT_MIXED_SHARE_RESCUE,
+    mixed_share_rescue_window_s: float | None = None,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -451,6 +460,7 @@ def _make_lease_path(
         mixed_share_budget=mixed_share_budget,
         mixed_share_window_s=mixed_share_window_s,
         mixed_share_rescue=mixed_share_rescue,
+        mixed_share_rescue_window_s=mixed_share_rescue_window_s,
     )
 
 

@@ -114,6 +114,27 @@ def test_a_late_request_may_pass_the_budget_while_plain_pd_fails_the_slo_and_whe
     assert burst_path.late_share() == pytest.approx(0.1) and d.code is PathReason.MIXED_SHARE_BUDGET
 
 
+def test_the_rescue_counts_late_requests_over_its_own_window() -> None:
+    """Nine requests on time at t=0, then a late one at t=20: over the budget's 10 s window the nine
+    have decayed (late share 1 / (9 e^-2 + 1) = 0.45, past the 0.25 line: rescued); over a 100 s
+    rescue window they still count (0.12: it keeps to the budget), a burst read against more history."""
+    over = [calm(n, decode_tokens_total=1000, mixed_decode_tokens_total=30) for n in (0, 1)]
+    shares = {}
+    for window in (None, 100.0):
+        path = budget_path(0.01, mixed_share_rescue=0.25, mixed_share_rescue_window_s=window)
+        sched = scheduler_with(path, safe_tokens_per_s=200_000.0)
+        sched.on_control_interval(0.0, over)
+        for i in range(9):
+            sched.choose_path(query(10 + i, wait_s=1.0), 0.0)
+        sched.on_control_interval(20.0, over)
+        d = sched.choose_path(query(20, wait_s=6.0), 20.0)
+        shares[window] = (round(path.late_share(), 3), d.path)
+    assert shares[None] == (round(1 / (9 * math.exp(-2.0) + 1), 3), "borrow")
+    assert shares[100.0] == (round(1 / (9 * math.exp(-0.2) + 1), 3), "normal")
+    with pytest.raises(ValueError, match="mixed_share_rescue_window_s"):
+        budget_path(0.01, mixed_share_rescue=0.25, mixed_share_rescue_window_s=0.0)
+
+
 def test_bad_budget_settings_are_refused() -> None:
     for bad in (-0.1, 1.0, float("nan")):
         with pytest.raises(ValueError, match="mixed_share_budget"):
