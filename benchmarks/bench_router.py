@@ -86,6 +86,7 @@ class DecisionLog:
                 "output_tokens": q.expected_output_tokens,
                 "queued_tokens": q.normal_queued_tokens,
                 "prefill_cached_tokens": q.prefill_cached_tokens,
+                "prefill_worker": q.normal_prefill_worker,
                 "queue_wait_s": round(q.normal_queue_wait_s, 4),
                 "lease_prefill_left": {n: ledger.available(n, now_s).prefill_tokens for n in nodes},
             }
@@ -97,6 +98,7 @@ class DecisionLog:
             row.update(
                 path=d.path,
                 node=d.node_id,
+                reservation_id=d.reservation_id,
                 reason=d.code.name.lower(),
                 est_normal_s=round(d.est_normal_s, 4),
                 est_borrow_s=None if d.est_borrow_s is None else round(d.est_borrow_s, 4),
@@ -172,6 +174,34 @@ def _write_decisions(
     return [f"per-request decisions: {path} ({diverged} of {len(trace.requests)} took another path)"]
 
 
+def _note_fallbacks(scheduler: Any, clock: Callable[[], float]) -> list[tuple[int, float]]:
+    """Wraps ``scheduler.on_fallback`` to record which reservations fell back and when (``clock``)."""
+    fell_back: list[tuple[int, float]] = []
+    if scheduler is not None:
+        on_fallback = scheduler.on_fallback
+
+        def noted(reservation_id: int) -> None:
+            fell_back.append((reservation_id, round(clock(), 3)))
+            on_fallback(reservation_id)
+
+        scheduler.on_fallback = noted
+    return fell_back
+
+
+def _fallback_lines(rows: list[dict[str, Any]], fell_back: list[tuple[int, float]]) -> list[str]:
+    """One line per fallback: the request the reservation was made for, its node and times."""
+    by_reservation = {r["reservation_id"]: r for r in rows if r.get("reservation_id") is not None}
+    lines = []
+    for res, at_s in fell_back:
+        row = by_reservation.get(res, {})
+        lines.append(
+            f"fallback: reservation {res} (router request {row.get('request_id')}, "
+            f"{row.get('input_tokens')} tokens, node {row.get('node')}, decided at "
+            f"{row.get('time_s')} s) fell back at {at_s} s"
+        )
+    return lines
+
+
 def _queue_error(rows: list[dict[str, Any]]) -> list[str]:
     """How the router's prefill-queue estimate read against the chosen worker's own count, over its
     decisions: mean error (bias) and mean absolute error, in tokens."""
@@ -214,6 +244,7 @@ def agree(args: argparse.Namespace) -> None:
             return live.sim.prefill[idx].queued_tokens
 
         router_log = DecisionLog(router_scheduler, worker_queued) if router_scheduler is not None else None
+        fell_back = _note_fallbacks(router_scheduler, lambda: stack.router.now_s())
         stack = CrossflowStack(cluster, scheduler=router_scheduler, estimator=ClusterEstimator(config, cm))
         _on(background, stack.start())
         t0 = time.monotonic()
@@ -250,6 +281,8 @@ def agree(args: argparse.Namespace) -> None:
         print(line)
     if router_log is not None:
         for line in _queue_error(router_log.rows):
+            print(line)
+        for line in _fallback_lines(router_log.rows, fell_back):
             print(line)
     if args.decisions_out:
         for line in _write_decisions(args.decisions_out, trace, sim_log, router_log):
