@@ -244,8 +244,8 @@ def agree(args: argparse.Namespace) -> None:
             return live.sim.prefill[idx].queued_tokens
 
         router_log = DecisionLog(router_scheduler, worker_queued) if router_scheduler is not None else None
-        fell_back = _note_fallbacks(router_scheduler, lambda: stack.router.now_s())
         stack = CrossflowStack(cluster, scheduler=router_scheduler, estimator=ClusterEstimator(config, cm))
+        fell_back = _note_fallbacks(router_scheduler, stack.router.now_s)
         _on(background, stack.start())
         t0 = time.monotonic()
         result = replay(trace, ReplayConfig(url=stack.router.url, timeout_s=600, load=args.load))
