@@ -6,6 +6,7 @@ the router here (the real gateways are in ``test_serving_gateways_pd.py``)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -55,6 +56,14 @@ def _events(text: str) -> list[Any]:
             data = line[6:]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def _assert_streamed(events: list[Any], n_out: int) -> None:
+    """A stream carries cumulative counts that rise to ``n_out``. An event holds every token made since
+    the last one was written, so a busy event loop may merge some."""
+    counts = [e["meta_info"]["completion_tokens"] for e in events]
+    assert counts[-1] == n_out and all(b > a for a, b in itertools.pairwise(counts)), counts
+    assert len(counts) >= max(2, n_out // 4), f"tokens streamed, not sent at the end: {counts}"
 
 
 def _legs(cluster: EmulatedCluster, room: int, prefill: int = 0, **body: Any) -> tuple[dict[str, Any], ...]:
@@ -182,7 +191,7 @@ def test_a_dual_dispatch_streams_the_first_token_after_prefill_and_transfer(clus
     p_meta = p_events[0]["meta_info"]
     assert p_meta["finish_reason"] == {"type": "length", "length": 0} and p_meta["completion_tokens"] == 1
     d_events = [e for e in _events(d_text) if e != "[DONE]"]
-    assert [e["meta_info"]["completion_tokens"] for e in d_events] == list(range(1, n_out + 1))
+    _assert_streamed(d_events, n_out)
     assert d_events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": n_out}
     assert d_events[-1]["text"] == " tok" * n_out, "SGLang's /generate stream is cumulative"
     cm = CostModel(*MODEL)
@@ -313,7 +322,7 @@ def test_do_local_prefill_runs_on_the_nodes_lease_or_is_refused_with_503() -> No
                 return local.text
 
         events = _events(asyncio.run(run()))
-        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == list(range(1, 9))
+        _assert_streamed(events[:-1], 8)
         sim = lender.live.sim
         borrowed = [r for r in sim.reqs if r.path == 1]
         assert len(borrowed) == 1 and sim.counters.borrowed_prefill_tokens == 1000
