@@ -141,6 +141,12 @@ class LeasePath(PathPolicy):
             never.
         mixed_share_rescue_window_s: time constant of the window over which that late share is
             counted; ``None``: ``mixed_share_window_s``.
+        mixed_share_counts_reserved: the budget also counts the borrowed prefill a node holds on the
+            ledger but has not run yet (rule 3b, "reserved work"): its time at the lease's rate, times
+            the node's recent decode-token rate, is the mixed decode tokens it will add.
+        mixed_share_rescue_ceiling: a rescue past the budget is offered only on a node whose share,
+            counting its reserved work and the rescued request's own, stays at or under this
+            (``None``: no ceiling).
     """
 
     uses_leases = True
@@ -162,8 +168,19 @@ class LeasePath(PathPolicy):
         mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
         mixed_share_rescue: float | None = None,
         mixed_share_rescue_window_s: float | None = None,
+        mixed_share_counts_reserved: bool = False,
+        mixed_share_rescue_ceiling: float | None = None,
     ) -> None:
         super().__init__()
+        if mixed_share_rescue_ceiling is not None and not (
+            0 <= mixed_share_rescue_ceiling <= 1 and mixed_share_rescue is not None
+        ):
+            raise ValueError(
+                "mixed_share_rescue_ceiling must be in [0, 1] with mixed_share_rescue set, "
+                f"got {mixed_share_rescue_ceiling!r}"
+            )
+        self.mixed_share_counts_reserved = mixed_share_counts_reserved
+        self.mixed_share_rescue_ceiling = mixed_share_rescue_ceiling
         if mixed_share_budget is not None and not 0 <= mixed_share_budget < 1:
             raise ValueError(f"mixed_share_budget must be in [0, 1) or None, got {mixed_share_budget!r}")
         if not 0 < mixed_share_window_s < math.inf:
@@ -257,16 +274,48 @@ class LeasePath(PathPolicy):
         decode, mixed = self._tokens[node_id]
         return mixed.total / decode.total if decode.total > 0 else 0.0
 
-    def over_mixed_share(self, node_id: int) -> bool:
-        """Whether ``node_id`` is past its mixed-iteration share budget (rule 3b; never with it off)."""
-        return self.mixed_share_budget is not None and self.mixed_share(node_id) > self.mixed_share_budget
+    def projected_mixed_share(
+        self, node_id: int, ledger: LeaseLedger, now_s: float, extra_prefill_tokens: int = 0
+    ) -> float:
+        """``mixed_share`` counting, too, the borrowed prefill ``node_id`` holds on ``ledger`` but has
+        not run, plus ``extra_prefill_tokens`` more: that work's time at the lease's rate, times the
+        node's decode-token rate over the window, is the decode tokens its mixed iterations will carry
+        (an upper bound: an iteration short of token credit runs without a chunk)."""
+        if node_id not in self._tokens:
+            return 0.0
+        decode, mixed = self._tokens[node_id]
+        lease = ledger.lease(node_id)
+        pending = 0.0
+        if lease is not None and lease.budgets.prefill_tokens > 0:
+            tokens = ledger.held(node_id).prefill_tokens + extra_prefill_tokens
+            pending = tokens * lease.ttl_s / lease.budgets.prefill_tokens * decode.total / decode.tau_s
+        total = decode.total + pending
+        return (mixed.total + pending) / total if total > 0 else 0.0
+
+    def over_mixed_share(self, node_id: int, ledger: LeaseLedger | None = None, now_s: float = 0.0) -> bool:
+        """Whether ``node_id`` is past its mixed-iteration share budget (rule 3b; never with it off);
+        with ``mixed_share_counts_reserved`` and a ``ledger``, counting its reserved work."""
+        if self.mixed_share_budget is None:
+            return False
+        if self.mixed_share_counts_reserved and ledger is not None:
+            return self.projected_mixed_share(node_id, ledger, now_s) > self.mixed_share_budget
+        return self.mixed_share(node_id) > self.mixed_share_budget
+
+    def under_rescue_ceiling(self, option: _BorrowOption, ledger: LeaseLedger, now_s: float) -> bool:
+        """Whether a rescue on ``option`` keeps its node at or under ``mixed_share_rescue_ceiling``."""
+        if self.mixed_share_rescue_ceiling is None:
+            return True
+        share = self.projected_mixed_share(option.node_id, ledger, now_s, option.demand.prefill_tokens)
+        return share <= self.mixed_share_rescue_ceiling
 
     def late_share(self) -> float:
         """Share of the recent requests (decayed over ``mixed_share_window_s``) whose normal-path
         estimate missed the TTFT SLO (counted only with ``mixed_share_rescue``)."""
         return self._late.total / self._requests.total if self._requests.total > 0 else 0.0
 
-    def within_mixed_share(self, est_normal_s: float, nodes: list[int]) -> list[int]:
+    def within_mixed_share(
+        self, est_normal_s: float, nodes: list[int], ledger: LeaseLedger | None = None, now_s: float = 0.0
+    ) -> list[int]:
         """Of ``nodes``, those a request with normal-path estimate ``est_normal_s`` may be offered under
         the mixed-iteration share budget (rule 3b): every node for a request ``mixed_share_rescue``
         may rescue (late while plain PD is failing the SLO; ``choose`` then keeps only options past a
@@ -274,7 +323,7 @@ class LeasePath(PathPolicy):
         late = est_normal_s > self.slo_ttft_s
         if self.mixed_share_rescue is not None and late and self.late_share() > self.mixed_share_rescue:
             return nodes
-        return [n for n in nodes if not self.over_mixed_share(n)]
+        return [n for n in nodes if not self.over_mixed_share(n, ledger, now_s)]
 
     def prefix_nodes(self, q: PathQuery, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those whose decode prefix cache holds at least ``prefix_reuse_share`` of the
@@ -354,7 +403,7 @@ class LeasePath(PathPolicy):
                 return PathDecision(
                     "normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED
                 )
-        allowed = self.within_mixed_share(est_normal_s, nodes)
+        allowed = self.within_mixed_share(est_normal_s, nodes, ledger, now_s)
         if nodes and not allowed:
             reason = (
                 "every lease is on a node past its mixed-iteration share budget "
@@ -365,7 +414,12 @@ class LeasePath(PathPolicy):
             )
         options = [o for n in allowed if (o := self._borrow_option(q, n, now_s, ledger)) is not None]
         # a late request borrows past a node's budget only where that buys an SLO-met first token
-        kept = [o for o in options if o.est_s <= self.slo_ttft_s or not self.over_mixed_share(o.node_id)]
+        kept = [
+            o
+            for o in options
+            if not self.over_mixed_share(o.node_id, ledger, now_s)
+            or (o.est_s <= self.slo_ttft_s and self.under_rescue_ceiling(o, ledger, now_s))
+        ]
         if options and not kept:
             reason = "late, but no lease past its mixed-iteration share budget meets the TTFT SLO"
             return PathDecision(
@@ -445,6 +499,8 @@ def _make_lease_path(
     mixed_share_window_s: float = DEFAULT_MIXED_SHARE_WINDOW_S,
     mixed_share_rescue: float | None = DEFAULT_MIXED_SHARE_RESCUE,
     mixed_share_rescue_window_s: float | None = None,
+    mixed_share_counts_reserved: bool = False,
+    mixed_share_rescue_ceiling: float | None = None,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -461,6 +517,8 @@ def _make_lease_path(
         mixed_share_window_s=mixed_share_window_s,
         mixed_share_rescue=mixed_share_rescue,
         mixed_share_rescue_window_s=mixed_share_rescue_window_s,
+        mixed_share_counts_reserved=mixed_share_counts_reserved,
+        mixed_share_rescue_ceiling=mixed_share_rescue_ceiling,
     )
 
 

@@ -135,6 +135,55 @@ def test_the_rescue_counts_late_requests_over_its_own_window() -> None:
         budget_path(0.01, mixed_share_rescue=0.25, mixed_share_rescue_window_s=0.0)
 
 
+def test_the_budget_can_count_borrowed_work_reserved_but_not_yet_run() -> None:
+    """A node at 0.5 % of mixed tokens (budget 1 %) takes one borrow; counting that reservation's
+    prefill (its time at the lease's rate, times the node's 100 decode tokens/s over the 10 s window)
+    puts it past the budget, so the next borrow in the same burst is refused there, where the share
+    it has already run would still let it in."""
+    node = calm(0, decode_tokens_total=1000, mixed_decode_tokens_total=5)
+    decisions = {}
+    for counts in (False, True):
+        path = budget_path(0.01, mixed_share_counts_reserved=counts)
+        sched = scheduler_with(path)
+        sched.on_control_interval(0.0, [node])
+        first = sched.choose_path(query(1, wait_s=2.0, input_tokens=4000), 0.0)
+        assert first.path == "borrow"
+        lease = sched.ledger.lease(0)
+        assert lease is not None
+        held = sched.ledger.held(0).prefill_tokens
+        pending = held * lease.ttl_s / lease.budgets.prefill_tokens * 1000 / 10.0
+        projected = path.projected_mixed_share(0, sched.ledger, 0.0)
+        assert projected == pytest.approx((5 + pending) / (1000 + pending))
+        assert path.mixed_share(0) == pytest.approx(0.005), "what the node has run is unchanged"
+        decisions[counts] = sched.choose_path(query(2, wait_s=2.0, input_tokens=4000), 0.0)
+    assert decisions[False].path == "borrow"
+    assert decisions[True].path == "normal" and decisions[True].code is PathReason.MIXED_SHARE_BUDGET
+
+
+def test_a_rescue_stops_at_its_ceiling_counting_its_own_work() -> None:
+    """Past the budget a late request is rescued only where the node's share, with what it holds and
+    the rescued request's own prefill, stays at or under ``mixed_share_rescue_ceiling``."""
+    over = [calm(0, decode_tokens_total=1000, mixed_decode_tokens_total=30)]  # 3 %, budget 1 %
+    probe = budget_path(0.01, mixed_share_rescue=0.25)
+    sched = scheduler_with(probe, safe_tokens_per_s=200_000.0)
+    sched.on_control_interval(0.0, over)
+    with_request = probe.projected_mixed_share(0, sched.ledger, 0.0, extra_prefill_tokens=10_000)
+    assert 0.03 < with_request < 0.05
+    verdicts = {}
+    for ceiling in (None, with_request + 1e-6, with_request - 1e-6):
+        path = budget_path(0.01, mixed_share_rescue=0.25, mixed_share_rescue_ceiling=ceiling)
+        sched = scheduler_with(path, safe_tokens_per_s=200_000.0)
+        sched.on_control_interval(0.0, over)
+        verdicts[ceiling] = sched.choose_path(query(1, wait_s=6.0), 0.0)
+    assert [d.path for d in verdicts.values()] == ["borrow", "borrow", "normal"]
+    refused = verdicts[with_request - 1e-6]
+    assert refused.code is PathReason.MIXED_SHARE_BUDGET and "late" in refused.reason
+    with pytest.raises(ValueError, match="mixed_share_rescue_ceiling"):
+        budget_path(0.01, mixed_share_rescue_ceiling=0.05)  # a ceiling without a rescue
+    with pytest.raises(ValueError, match="mixed_share_rescue_ceiling"):
+        budget_path(0.01, mixed_share_rescue=0.25, mixed_share_rescue_ceiling=1.5)
+
+
 def test_bad_budget_settings_are_refused() -> None:
     for bad in (-0.1, 1.0, float("nan")):
         with pytest.raises(ValueError, match="mixed_share_budget"):
