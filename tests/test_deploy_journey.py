@@ -190,3 +190,16 @@ def test_a_policy_reload_while_requests_stream_drops_none(tmp_path: Path) -> Non
         assert 'crossflow:policy_reloads_total{policy="heuristic-h200"} 1' in metrics
         assert 'crossflow:requests_total{api="generate",status="200"} 13' in metrics
         assert len(cluster.live.sim.reqs) == 13
+
+
+def test_the_serve_lag_check_fails_a_worker_that_ran_but_only_reports_an_idle_stall() -> None:
+    from envs.live import lag_check
+    from train.serve_cli import lag_summary
+
+    def report(max_s: float, iterations: int) -> dict[str, object]:
+        return {"max_s": max_s, "mean_s": 0.0, "iterations": iterations, "check": lag_check(max_s, 8.0)}
+
+    lines, failed = lag_summary([("prefill 0", report(0.45, 0)), ("decode 0", report(0.01, 12))])
+    assert not failed and "no timing is affected" in lines[0] and "lagged" not in lines[0]
+    lines, failed = lag_summary([("prefill 0", report(0.01, 5)), ("decode 0", report(0.45, 12))])
+    assert failed and "lagged 0.450 s" in lines[1] and lines[0].endswith("over 5 iterations")
