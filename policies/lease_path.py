@@ -86,6 +86,7 @@ DEFAULT_MIXED_SHARE_RESCUE = 0.15
 """... and rescues late requests past it while more than 15 % of recent requests are late on their
 normal path (plain PD failing a 90 % SLO target with a margin for bursts)."""
 Congestion = Literal["capacity", "wait"]
+LenderChoice = Literal["fastest", "least_kv_load"]
 
 
 class DecayedSum:
@@ -147,6 +148,10 @@ class LeasePath(PathPolicy):
         mixed_share_rescue_ceiling: a rescue past the budget is offered only on a node whose share,
             counting its reserved work and the rescued request's own, stays at or under this
             (``None``: no ceiling).
+        lender_choice: which of the leases that beat the normal path by the margin to borrow on:
+            ``"fastest"`` (the earliest first token) or ``"least_kv_load"`` (the node whose decode KV
+            the router counts lowest, ``PathQuery.decode_kv_load_tokens``, then the fastest): a
+            borrowed request decodes where it was prefilled, outside the decode router's balance.
     """
 
     uses_leases = True
@@ -170,8 +175,12 @@ class LeasePath(PathPolicy):
         mixed_share_rescue_window_s: float | None = None,
         mixed_share_counts_reserved: bool = False,
         mixed_share_rescue_ceiling: float | None = None,
+        lender_choice: LenderChoice = "fastest",
     ) -> None:
         super().__init__()
+        if lender_choice not in ("fastest", "least_kv_load"):
+            raise ValueError(f"lender_choice must be 'fastest' or 'least_kv_load', got {lender_choice!r}")
+        self.lender_choice = lender_choice
         if mixed_share_rescue_ceiling is not None and not (
             0 <= mixed_share_rescue_ceiling <= 1 and mixed_share_rescue is not None
         ):
@@ -450,6 +459,10 @@ class LeasePath(PathPolicy):
         if best_s > threshold_s:
             reason = f"borrow {best_s:.3f} s does not beat normal {est_normal_s:.3f} s by the margin"
             return PathDecision("normal", None, None, est_normal_s, best_s, reason, PathReason.MARGIN_NOT_MET)
+        if self.lender_choice == "least_kv_load":
+            loads = q.decode_kv_load_tokens
+            options = [o for o in options if o.est_s <= threshold_s]
+            options.sort(key=lambda o: (loads.get(o.node_id, 0), o.est_s, o.node_id))
         for option in options:
             if option.est_s > threshold_s:
                 break
@@ -501,6 +514,7 @@ def _make_lease_path(
     mixed_share_rescue_window_s: float | None = None,
     mixed_share_counts_reserved: bool = False,
     mixed_share_rescue_ceiling: float | None = None,
+    lender_choice: LenderChoice = "fastest",
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -519,6 +533,7 @@ def _make_lease_path(
         mixed_share_rescue_window_s=mixed_share_rescue_window_s,
         mixed_share_counts_reserved=mixed_share_counts_reserved,
         mixed_share_rescue_ceiling=mixed_share_rescue_ceiling,
+        lender_choice=lender_choice,
     )
 
 

@@ -372,3 +372,30 @@ def test_an_interval_is_replayed_only_at_a_fixed_point() -> None:
     planned = make_scheduler(path=Planning())
     planned.on_control_interval(0.0, [calm(0, recent_step_time_s=0.0)])
     assert not planned.replay_control_interval(0.5)
+
+
+def test_lender_choice_can_balance_decode_load_among_leases_that_beat_the_normal_path() -> None:
+    """Two equal leases: ``fastest`` breaks the tie to node 0; ``least_kv_load`` borrows on the node
+    whose decode KV the router counts lowest. A less loaded node whose option misses the margin (here:
+    borrowed work queued on it) is never chosen for its load."""
+    from policies.lease_path import LeasePath
+
+    loads = {0: 150_000, 1: 20_000}
+    picks = {}
+    for choice in ("fastest", "least_kv_load"):
+        path = LeasePath(FakeCost(), congestion="wait", lender_choice=choice)  # type: ignore[arg-type]
+        sched = make_scheduler(path=path)
+        sched.on_control_interval(0.0, [calm(0), calm(1)])
+        picks[choice] = sched.choose_path(query(1, wait_s=2.0, decode_kv_load_tokens=loads), 0.0).node_id
+    assert picks == {"fastest": 0, "least_kv_load": 1}
+    path = LeasePath(FakeCost(), congestion="wait", borrow_margin=0.2, lender_choice="least_kv_load")
+    sched = make_scheduler(path=path)
+    sched.on_control_interval(0.0, [calm(0), calm(1)])
+    # a first borrow goes to the less loaded node 1; its 16k tokens queued there (0.8 s at the lease's
+    # rate) put node 1's option for the next request past the margin
+    first = query(1, wait_s=0.5, input_tokens=16_000, decode_kv_load_tokens=loads)
+    assert sched.choose_path(first, 0.0).node_id == 1
+    d = sched.choose_path(query(2, wait_s=0.5, decode_kv_load_tokens=loads), 0.0)
+    assert d.node_id == 0, "node 1 is less loaded, but its queued borrow makes it too slow"
+    with pytest.raises(ValueError, match="lender_choice"):
+        LeasePath(FakeCost(), lender_choice="random")  # type: ignore[arg-type]
