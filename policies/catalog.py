@@ -63,6 +63,9 @@ class PolicySpec:
     """Another policy whose shipped tuned values this one runs with for every part but its path
     policy (its own tuned values, if any, take precedence): ``rl`` sizes leases as the tuned
     ``heuristic`` does."""
+    bundle_of: str | None = None
+    """For a policy bundle's alias (``train.compare.add_bundles``): the catalog policy it runs, with
+    the bundle's parameters laid over that policy's shipped tuned values."""
 
     @property
     def needs_predictor(self) -> bool:

@@ -372,14 +372,23 @@ def test_compare_runs_a_policy_bundle_under_its_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="already a catalog policy"):
         run_compare(spec, tmp_path / "never", bundles=[str(tmp_path / "clash")])
     assert not (tmp_path / "never").exists()
-    results = run_compare(spec, tmp_path / "run", bundles=[str(folder)])
+    # a bundle naming one parameter runs it over the policy's other tuned values, as simulate does
+    write_policy_bundle(
+        tmp_path / "part", name="part", policy="heuristic", params={"node.ttl_s": 2.0},
+        interference_model=DATA_DIR / "h200_gpt-oss-120b_tp1",
+    )  # fmt: skip
+    assert tuned_params("heuristic")["node.ttl_s"] == 2.0 and len(tuned_params("heuristic")) > 1
+    results = run_compare(spec, tmp_path / "run", bundles=[str(folder), str(tmp_path / "part")])
     assert not results["failed"] and results["bundles"]["mine"]["policy"] == "heuristic"
     rows = {(p["policy"], p["regime"]): p for p in results["points"]}
-    assert {p for p, _ in rows} == {"static", "heuristic", "mine"}
+    assert {p for p, _ in rows} == {"static", "heuristic", "mine", "part"}
     expected = [list(kv) for kv in sorted(tuned_params("heuristic").items())]
-    assert _plain(rows[("mine", "latency")]["point"]["policy_params"]) == expected
-    for regime in ("latency", "throughput"):  # the shipped values, bundled: the same simulation
-        assert rows[("mine", regime)]["metrics"] == rows[("heuristic", regime)]["metrics"]
+    for name in ("mine", "part"):
+        assert _plain(rows[(name, "latency")]["point"]["policy_params"]) == expected
+        for regime in ("latency", "throughput"):  # the shipped values, bundled: the same simulation
+            assert rows[(name, regime)]["metrics"] == rows[("heuristic", regime)]["metrics"]
+        # its rerun names the policy it bundles (the alias exists only inside compare)
+        assert " --policy heuristic " in rows[(name, "latency")]["rerun"]
     caps = {c["point"]["policy"]: c["load"] for c in results["capacity"]}
     assert caps["mine"] == caps["heuristic"]
 

@@ -411,8 +411,9 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
 
     trace = trace_for(point)
     cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
+    base = policy_spec(point.policy).bundle_of  # a bundle's alias reruns as the policy it bundles
     out["rerun"] = simulate_command(
-        point,
+        point if base is None else replace(point, policy=base),
         closed_loop=trace.closed_loop,
         artifact_dir=task.artifact_dir if policy_spec(point.policy).needs_predictor else None,
         max_sim_time_s=cap if math.isfinite(cap) else None,
@@ -583,7 +584,7 @@ def add_bundles(
     backend hands them (``RayBackend.aliases``).
     """
     from policies.bundle import load_policy_bundle, resolve_bundle
-    from policies.catalog import PolicySpec, register_policy
+    from policies.catalog import PolicySpec, register_policy, tuned_params
 
     policies, params, artifacts = list(spec.policies), dict(spec.policy_params), {}
     info: dict[str, dict[str, Any]] = {}
@@ -596,6 +597,7 @@ def add_bundles(
             node=base.node,
             path=base.path,
             source=f"{BUNDLE_SOURCE}{ref}",
+            bundle_of=bundle.policy,
         )
         # a name of the catalog's own is refused; an alias of an earlier bundle is replaced
         if bundle.name in policy_names() and not policy_spec(bundle.name).source.startswith(BUNDLE_SOURCE):
@@ -603,7 +605,9 @@ def add_bundles(
         register_policy(alias, replace=True)
         if bundle.name not in policies:
             policies.append(bundle.name)
-        params[bundle.name] = bundle.point_params()
+        # laid over the bundled policy's shipped tuned values, as `simulate --policy-bundle` runs it
+        merged = {**tuned_params(bundle.policy), **dict(bundle.point_params())}
+        params[bundle.name] = tuple(sorted(merged.items()))
         info[bundle.name] = {
             "ref": str(ref), "folder": str(bundle.folder), "version": bundle.version,
             "policy": bundle.policy, "digest": bundle.digest,
