@@ -280,6 +280,7 @@ def test_policy_bundle_round_trip_tamper_and_wandb_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from policies.bundle import load_policy_bundle, resolve_bundle
+    from policies.catalog import tuned_params
 
     folder = tmp_path / "heur"
     assert (
@@ -287,7 +288,11 @@ def test_policy_bundle_round_trip_tamper_and_wandb_cache(
         == 0
     )
     bundle = load_policy_bundle(folder)
-    assert (bundle.policy, bundle.version, dict(bundle.params)) == ("heuristic", 1, {"node.ttl_s": 4.0})
+    # --params is laid over the tuned values, so the bundle pins every value it runs with
+    pinned = {**tuned_params("heuristic"), "node.ttl_s": 4.0}
+    assert (bundle.policy, bundle.version, dict(bundle.params)) == ("heuristic", 1, pinned)
+    assert main(["bundle", "--policy", "heuristic", "--out", str(tmp_path / "bad"), "--params", "[1]"]) == 2
+    assert "--params: a JSON object" in capsys.readouterr().err
     assert main(["bundle", "--policy", "utilisation", "--out", str(tmp_path / "u"), "--log-wandb"]) == 0
     _flush_wandb()
     (logged,) = (tmp_path / "wandb").glob("offline-run-*")  # offline: uploaded by `wandb sync`

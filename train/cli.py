@@ -388,7 +388,11 @@ def _add_bundle(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--version", type=positive_int, default=1, help="bundle version (default: 1)")
     p.add_argument("--out", required=True, metavar="DIR", help="bundle folder to create (must not exist)")
     p.add_argument(
-        "--params", default=None, metavar="JSON", help="dotted parameters as a JSON object (default: tuned)"
+        "--params",
+        default=None,
+        metavar="JSON",
+        help="dotted parameters as a JSON object, laid over the policy's shipped tuned values "
+        "(default: the tuned values alone)",
     )
     p.add_argument("--gpu", default="H200", help="GPU of the shipped interference model (default: H200)")
     p.add_argument("--model", default="gpt-oss-120b", help="model of the shipped one (default: gpt-oss-120b)")
@@ -431,9 +435,15 @@ def _run_bundle(args: argparse.Namespace) -> int:
     if rl is None and runs_rl_weights(spec):
         rl = str(DEFAULT_ARTIFACT)
     try:
-        params = None if args.params is None else json.loads(args.params)
+        given = None if args.params is None else json.loads(args.params)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--params: not valid JSON ({exc})") from None
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"--params: a JSON object of dotted parameters, got {type(given).__name__}")
+    from policies.catalog import tuned_params
+
+    # laid over the shipped tuned values, so the bundle pins every value it runs with
+    params = None if given is None else {**tuned_params(args.policy), **given}
     bundle = write_policy_bundle(
         args.out,
         name=args.name or Path(args.out).name,
