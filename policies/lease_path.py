@@ -148,6 +148,9 @@ class LeasePath(PathPolicy):
         mixed_share_rescue_ceiling: a rescue past the budget is offered only on a node whose share,
             counting its reserved work and the rescued request's own, stays at or under this
             (``None``: no ceiling).
+        mixed_share_ceiling_lift: share of recent requests late on their normal path past which the
+            rescue ceiling no longer applies (plain PD failing badly, not at the edge of its SLO);
+            ``None``: the ceiling always applies.
         lender_choice: which of the leases that beat the normal path by the margin to borrow on:
             ``"fastest"`` (the earliest first token) or ``"least_kv_load"`` (the node whose decode KV
             the router counts lowest, ``PathQuery.decode_kv_load_tokens``, then the fastest): a
@@ -176,8 +179,17 @@ class LeasePath(PathPolicy):
         mixed_share_counts_reserved: bool = False,
         mixed_share_rescue_ceiling: float | None = None,
         lender_choice: LenderChoice = "fastest",
+        mixed_share_ceiling_lift: float | None = None,
     ) -> None:
         super().__init__()
+        if mixed_share_ceiling_lift is not None and not (
+            0 <= mixed_share_ceiling_lift < 1 and mixed_share_rescue_ceiling is not None
+        ):
+            raise ValueError(
+                "mixed_share_ceiling_lift must be in [0, 1) with mixed_share_rescue_ceiling set, "
+                f"got {mixed_share_ceiling_lift!r}"
+            )
+        self.mixed_share_ceiling_lift = mixed_share_ceiling_lift
         if lender_choice not in ("fastest", "least_kv_load"):
             raise ValueError(f"lender_choice must be 'fastest' or 'least_kv_load', got {lender_choice!r}")
         self.lender_choice = lender_choice
@@ -313,6 +325,8 @@ class LeasePath(PathPolicy):
     def under_rescue_ceiling(self, option: _BorrowOption, ledger: LeaseLedger, now_s: float) -> bool:
         """Whether a rescue on ``option`` keeps its node at or under ``mixed_share_rescue_ceiling``."""
         if self.mixed_share_rescue_ceiling is None:
+            return True
+        if self.mixed_share_ceiling_lift is not None and self.late_share() > self.mixed_share_ceiling_lift:
             return True
         share = self.projected_mixed_share(option.node_id, ledger, now_s, option.demand.prefill_tokens)
         return share <= self.mixed_share_rescue_ceiling
@@ -515,6 +529,7 @@ def _make_lease_path(
     mixed_share_counts_reserved: bool = False,
     mixed_share_rescue_ceiling: float | None = None,
     lender_choice: LenderChoice = "fastest",
+    mixed_share_ceiling_lift: float | None = None,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -534,6 +549,7 @@ def _make_lease_path(
         mixed_share_counts_reserved=mixed_share_counts_reserved,
         mixed_share_rescue_ceiling=mixed_share_rescue_ceiling,
         lender_choice=lender_choice,
+        mixed_share_ceiling_lift=mixed_share_ceiling_lift,
     )
 
 

@@ -178,6 +178,18 @@ def test_a_rescue_stops_at_its_ceiling_counting_its_own_work() -> None:
     assert [d.path for d in verdicts.values()] == ["borrow", "borrow", "normal"]
     refused = verdicts[with_request - 1e-6]
     assert refused.code is PathReason.MIXED_SHARE_BUDGET and "late" in refused.reason
+    # past the lift's late share (here every recent request is late) the ceiling no longer applies
+    lifted = budget_path(
+        0.01,
+        mixed_share_rescue=0.25,
+        mixed_share_rescue_ceiling=with_request - 1e-6,
+        mixed_share_ceiling_lift=0.5,
+    )
+    sched = scheduler_with(lifted, safe_tokens_per_s=200_000.0)
+    sched.on_control_interval(0.0, over)
+    assert sched.choose_path(query(1, wait_s=6.0), 0.0).path == "borrow" and lifted.late_share() == 1.0
+    with pytest.raises(ValueError, match="mixed_share_ceiling_lift"):
+        budget_path(0.01, mixed_share_rescue=0.25, mixed_share_ceiling_lift=0.5)  # a lift without a ceiling
     with pytest.raises(ValueError, match="mixed_share_rescue_ceiling"):
         budget_path(0.01, mixed_share_rescue_ceiling=0.05)  # a ceiling without a rescue
     with pytest.raises(ValueError, match="mixed_share_rescue_ceiling"):
