@@ -19,6 +19,7 @@ from envs.cost_model import CostModel  # noqa: E402
 from envs.estimator import ClusterEstimator  # noqa: E402
 from interference_model.artifact import DATA_DIR, artifact_slug  # noqa: E402
 from policies.bundle import CACHE_ENV, write_policy_bundle  # noqa: E402
+from policies.catalog import tuned_params  # noqa: E402
 from serving.router import POLICY_PATH  # noqa: E402
 from tests.test_router import BORROW_TOKENS, MODEL, BorrowMarked, _events, _stack  # noqa: E402
 from train.experiment import build_scheduler  # noqa: E402
@@ -57,6 +58,12 @@ def test_policy_takes_a_catalog_name_a_bundle_folder_or_a_cached_wandb_reference
     scheduler = served.scheduler(config, cm)
     assert scheduler._policy.margin == 0.7 and scheduler._policy.ttl_s == 3.0, "the bundle's values"
     assert build_scheduler("heuristic", config, cm)._policy.margin != 0.7, "not the shipped ones"
+    # a bundle naming some parameters is served with the policy's other tuned values, as simulated
+    part = write_policy_bundle(
+        tmp_path / "part", name="part", policy="heuristic", params={"node.margin": 0.7},
+        interference_model=DATA_DIR / artifact_slug(*MODEL),
+    )  # fmt: skip
+    assert served_policy(str(part.folder)).params == {**tuned_params("heuristic"), "node.margin": 0.7}
     # a W&B reference, offline, from the local cache (as `wandb artifact get` or a download left it)
     cache = tmp_path / "cache"
     shutil.copytree(bundle.folder, cache / "lab" / "crossflow" / "heuristic-h200" / "v0")

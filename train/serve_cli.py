@@ -207,7 +207,8 @@ def served_policy(ref: str) -> ServedPolicy:
         bundle = load_policy_bundle(resolve_bundle(ref))
         return ServedPolicy(
             bundle.policy,
-            bundle.scheduler_params(),
+            # laid over the policy's shipped tuned values, as simulate and compare run a bundle
+            {**tuned_params(bundle.policy), **bundle.scheduler_params()},
             PolicyInfo.from_bundle(bundle, ref),
             bundle.interference_model,
         )
