@@ -86,6 +86,11 @@ class PolicyBundle:
             params[ARTIFACT_PARAM] = str(self.rl_policy)
         return params
 
+    def run_params(self) -> dict[str, Any]:
+        """What the bundle runs with: ``scheduler_params`` laid over its policy's shipped tuned values
+        (``simulate``, ``compare``, ``serve`` and ``router`` alike)."""
+        return {**tuned_params(self.policy), **self.scheduler_params()}
+
     def point_params(self) -> tuple[tuple[str, Any], ...]:
         """``scheduler_params`` as a sorted tuple (``train.experiment.Point.policy_params``)."""
         return tuple(sorted(self.scheduler_params().items()))

@@ -296,7 +296,7 @@ class LeasePath(PathPolicy):
         return mixed.total / decode.total if decode.total > 0 else 0.0
 
     def projected_mixed_share(
-        self, node_id: int, ledger: LeaseLedger, now_s: float, extra_prefill_tokens: int = 0
+        self, node_id: int, ledger: LeaseLedger, extra_prefill_tokens: int = 0
     ) -> float:
         """``mixed_share`` counting, too, the borrowed prefill ``node_id`` holds on ``ledger`` but has
         not run, plus ``extra_prefill_tokens`` more: that work's time at the lease's rate, times the
@@ -313,22 +313,22 @@ class LeasePath(PathPolicy):
         total = decode.total + pending
         return (mixed.total + pending) / total if total > 0 else 0.0
 
-    def over_mixed_share(self, node_id: int, ledger: LeaseLedger | None = None, now_s: float = 0.0) -> bool:
+    def over_mixed_share(self, node_id: int, ledger: LeaseLedger | None = None) -> bool:
         """Whether ``node_id`` is past its mixed-iteration share budget (rule 3b; never with it off);
         with ``mixed_share_counts_reserved`` and a ``ledger``, counting its reserved work."""
         if self.mixed_share_budget is None:
             return False
         if self.mixed_share_counts_reserved and ledger is not None:
-            return self.projected_mixed_share(node_id, ledger, now_s) > self.mixed_share_budget
+            return self.projected_mixed_share(node_id, ledger) > self.mixed_share_budget
         return self.mixed_share(node_id) > self.mixed_share_budget
 
-    def under_rescue_ceiling(self, option: _BorrowOption, ledger: LeaseLedger, now_s: float) -> bool:
+    def under_rescue_ceiling(self, option: _BorrowOption, ledger: LeaseLedger) -> bool:
         """Whether a rescue on ``option`` keeps its node at or under ``mixed_share_rescue_ceiling``."""
         if self.mixed_share_rescue_ceiling is None:
             return True
         if self.mixed_share_ceiling_lift is not None and self.late_share() > self.mixed_share_ceiling_lift:
             return True
-        share = self.projected_mixed_share(option.node_id, ledger, now_s, option.demand.prefill_tokens)
+        share = self.projected_mixed_share(option.node_id, ledger, option.demand.prefill_tokens)
         return share <= self.mixed_share_rescue_ceiling
 
     def late_share(self) -> float:
@@ -337,7 +337,7 @@ class LeasePath(PathPolicy):
         return self._late.total / self._requests.total if self._requests.total > 0 else 0.0
 
     def within_mixed_share(
-        self, est_normal_s: float, nodes: list[int], ledger: LeaseLedger | None = None, now_s: float = 0.0
+        self, est_normal_s: float, nodes: list[int], ledger: LeaseLedger | None = None
     ) -> list[int]:
         """Of ``nodes``, those a request with normal-path estimate ``est_normal_s`` may be offered under
         the mixed-iteration share budget (rule 3b): every node for a request ``mixed_share_rescue``
@@ -346,7 +346,7 @@ class LeasePath(PathPolicy):
         late = est_normal_s > self.slo_ttft_s
         if self.mixed_share_rescue is not None and late and self.late_share() > self.mixed_share_rescue:
             return nodes
-        return [n for n in nodes if not self.over_mixed_share(n, ledger, now_s)]
+        return [n for n in nodes if not self.over_mixed_share(n, ledger)]
 
     def prefix_nodes(self, q: PathQuery, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those whose decode prefix cache holds at least ``prefix_reuse_share`` of the
@@ -426,7 +426,7 @@ class LeasePath(PathPolicy):
                 return PathDecision(
                     "normal", None, None, est_normal_s, None, reason, PathReason.NOT_CONGESTED
                 )
-        allowed = self.within_mixed_share(est_normal_s, nodes, ledger, now_s)
+        allowed = self.within_mixed_share(est_normal_s, nodes, ledger)
         if nodes and not allowed:
             reason = (
                 "every lease is on a node past its mixed-iteration share budget "
@@ -440,8 +440,8 @@ class LeasePath(PathPolicy):
         kept = [
             o
             for o in options
-            if not self.over_mixed_share(o.node_id, ledger, now_s)
-            or (o.est_s <= self.slo_ttft_s and self.under_rescue_ceiling(o, ledger, now_s))
+            if not self.over_mixed_share(o.node_id, ledger)
+            or (o.est_s <= self.slo_ttft_s and self.under_rescue_ceiling(o, ledger))
         ]
         if options and not kept:
             reason = "late, but no lease past its mixed-iteration share budget meets the TTFT SLO"
@@ -473,7 +473,7 @@ class LeasePath(PathPolicy):
         if best_s > threshold_s:
             reason = f"borrow {best_s:.3f} s does not beat normal {est_normal_s:.3f} s by the margin"
             return PathDecision("normal", None, None, est_normal_s, best_s, reason, PathReason.MARGIN_NOT_MET)
-        if self.lender_choice == "least_kv_load":
+        if self.lender_choice == "least_kv_load":  # among the options within the margin
             loads = q.decode_kv_load_tokens
             options = [o for o in options if o.est_s <= threshold_s]
             options.sort(key=lambda o: (loads.get(o.node_id, 0), o.est_s, o.node_id))

@@ -152,7 +152,7 @@ def test_the_budget_can_count_borrowed_work_reserved_but_not_yet_run() -> None:
         assert lease is not None
         held = sched.ledger.held(0).prefill_tokens
         pending = held * lease.ttl_s / lease.budgets.prefill_tokens * 1000 / 10.0
-        projected = path.projected_mixed_share(0, sched.ledger, 0.0)
+        projected = path.projected_mixed_share(0, sched.ledger)
         assert projected == pytest.approx((5 + pending) / (1000 + pending))
         assert path.mixed_share(0) == pytest.approx(0.005), "what the node has run is unchanged"
         decisions[counts] = sched.choose_path(query(2, wait_s=2.0, input_tokens=4000), 0.0)
@@ -167,7 +167,7 @@ def test_a_rescue_stops_at_its_ceiling_counting_its_own_work() -> None:
     probe = budget_path(0.01, mixed_share_rescue=0.25)
     sched = scheduler_with(probe, safe_tokens_per_s=200_000.0)
     sched.on_control_interval(0.0, over)
-    with_request = probe.projected_mixed_share(0, sched.ledger, 0.0, extra_prefill_tokens=10_000)
+    with_request = probe.projected_mixed_share(0, sched.ledger, extra_prefill_tokens=10_000)
     assert 0.03 < with_request < 0.05
     verdicts = {}
     for ceiling in (None, with_request + 1e-6, with_request - 1e-6):

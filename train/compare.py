@@ -584,7 +584,7 @@ def add_bundles(
     backend hands them (``RayBackend.aliases``).
     """
     from policies.bundle import load_policy_bundle, resolve_bundle
-    from policies.catalog import PolicySpec, register_policy, tuned_params
+    from policies.catalog import PolicySpec, register_policy
 
     policies, params, artifacts = list(spec.policies), dict(spec.policy_params), {}
     info: dict[str, dict[str, Any]] = {}
@@ -605,9 +605,7 @@ def add_bundles(
         register_policy(alias, replace=True)
         if bundle.name not in policies:
             policies.append(bundle.name)
-        # laid over the bundled policy's shipped tuned values, as `simulate --policy-bundle` runs it
-        merged = {**tuned_params(bundle.policy), **dict(bundle.point_params())}
-        params[bundle.name] = tuple(sorted(merged.items()))
+        params[bundle.name] = tuple(sorted(bundle.run_params().items()))
         info[bundle.name] = {
             "ref": str(ref), "folder": str(bundle.folder), "version": bundle.version,
             "policy": bundle.policy, "digest": bundle.digest,

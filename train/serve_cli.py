@@ -207,8 +207,7 @@ def served_policy(ref: str) -> ServedPolicy:
         bundle = load_policy_bundle(resolve_bundle(ref))
         return ServedPolicy(
             bundle.policy,
-            # laid over the policy's shipped tuned values, as simulate and compare run a bundle
-            {**tuned_params(bundle.policy), **bundle.scheduler_params()},
+            bundle.run_params(),
             PolicyInfo.from_bundle(bundle, ref),
             bundle.interference_model,
         )
