@@ -46,6 +46,8 @@ from interference_model.labels import ITL_LABEL, LABEL, LeaseLabel, kv_room_toke
 from interference_model.metrics import accuracy_metrics
 from interference_model.schema import FEATURES
 
+SHIFT_ALLOCATIONS: tuple[str, ...] = ("per_bin", "pooled")
+
 
 @dataclass(frozen=True, slots=True)
 class FitConfig:
@@ -60,6 +62,12 @@ class FitConfig:
     shift_batch_edges: tuple[float, ...] = (4, 8, 16, 24, 32, 48, 64, 128)
     """Decode-batch-size bin edges of the Mondrian conformal shift; ``()`` for one global shift."""
     min_states_per_shift_bin: int = 200
+    shift_allocation: str = "per_bin"
+    """``"per_bin"``: every batch bin holds its own out-of-fold unsafe share to ``unsafe_target``.
+    ``"pooled"``: the bins share one budget -- shifts (on a grid of ``shift_grid_step``) that minimise
+    the out-of-fold MAPE while the *overall* out-of-fold unsafe share stays within ``unsafe_target``
+    (:func:`pooled_shift`): the marginal guarantee the target asks for, spent where it buys most."""
+    shift_grid_step: float = 0.005
     min_lease_tokens: float = 64.0
     """Predictions below this many tokens over the label's horizon are 0 (module docstring)."""
     num_boost_round: int = 100
@@ -81,6 +89,13 @@ class FitConfig:
             raise ValueError(f"FitConfig.quantile_alpha must lie in (0, 1), got {self.quantile_alpha}")
         if self.unsafe_target is not None and not 0 < self.unsafe_target < 1:
             raise ValueError(f"FitConfig.unsafe_target must lie in (0, 1), got {self.unsafe_target}")
+        if self.shift_allocation not in SHIFT_ALLOCATIONS:
+            raise ValueError(
+                f"FitConfig.shift_allocation must be one of {SHIFT_ALLOCATIONS}, "
+                f"got {self.shift_allocation!r}"
+            )
+        if not self.shift_grid_step > 0:
+            raise ValueError(f"FitConfig.shift_grid_step must be > 0, got {self.shift_grid_step}")
         if not self.min_lease_tokens >= 0:
             raise ValueError(f"FitConfig.min_lease_tokens must be >= 0, got {self.min_lease_tokens}")
 
@@ -252,6 +267,75 @@ def mondrian_shift(
     return ConformalShift(edges, tuple(float(v) for v in shifts))
 
 
+def pooled_shift(
+    oof_raw: np.ndarray,
+    states: np.ndarray,
+    labels: pd.DataFrame,
+    cap: LeaseCap,
+    config: FitConfig,
+    mono_batch: int,
+) -> ConformalShift:
+    """Per-batch-bin log shifts sharing one unsafe budget: the out-of-fold unsafe count may total at
+    most ``floor(unsafe_target * (n + 1)) - 1`` (as :func:`conformal_shift` allows one bin), and within
+    it the shifts minimise the summed absolute percentage error of the full prediction (floor and KV
+    cap included). Solved by a Lagrangian: for a price ``lam`` per unsafe state each bin takes its own
+    best grid shift, and ``lam`` is bisected to the cheapest price that keeps the total within budget
+    (so the result is always feasible). A bin with fewer than ``min_states_per_shift_bin`` states keeps
+    the global conformal shift, its unsafe states counted against the budget. Shifts are made
+    non-decreasing in batch when the model is constrained non-increasing there (raising a shift never
+    adds an unsafe state)."""
+    assert config.unsafe_target is not None
+    y = labels[LABEL].to_numpy(dtype=float)
+    n = len(y)
+    batch = states[:, 0]
+    excess = cap.log_excess(oof_raw, states, labels, config.unsafe_margin)
+    glob = conformal_shift(excess, config.unsafe_target)
+    edges = tuple(float(e) for e in config.shift_batch_edges)
+    bins = np.searchsorted(np.asarray(edges), batch, side="right")
+    finite = excess[np.isfinite(excess)]
+    top = max(float(finite.max()) if len(finite) else 0.0, glob) + config.shift_grid_step
+    grid = np.arange(min(0.0, glob) - 0.25, top, config.shift_grid_step)
+    pos = y > 0
+    denom = np.where(pos, y, 1.0)
+    n_bins = len(edges) + 1
+    shifts = np.full(n_bins, glob)
+    budget = max(int(np.floor(config.unsafe_target * (n + 1))) - 1, 0)
+    dense: list[int] = []
+    ape_sum = np.zeros((n_bins, len(grid)))
+    unsafe = np.zeros((n_bins, len(grid)))
+    for k in range(n_bins):
+        m = bins == k
+        if m.sum() < config.min_states_per_shift_bin:
+            budget -= int((excess[m] > glob).sum())
+            continue
+        dense.append(k)
+        for j, s in enumerate(grid):
+            pred = cap.apply(np.expm1(oof_raw[m] - s), states[m])
+            ape_sum[k, j] = float((np.abs(pred - y[m]) / denom[m])[pos[m]].sum())
+            unsafe[k, j] = float((excess[m] > s).sum())
+    if dense:
+        rows = np.asarray(dense)
+
+        def choose(lam: float) -> tuple[np.ndarray, float]:
+            j = np.argmin(ape_sum[rows] + lam * unsafe[rows], axis=1)
+            return j, float(unsafe[rows, j].sum())
+
+        lo, hi = 0.0, float(n) + 1.0  # at hi one unsafe state outweighs every possible error
+        if choose(hi)[1] > budget:
+            shifts[rows] = grid[-1]  # budget already spent by sparse bins: the safest grid shift
+        else:
+            for _ in range(60):
+                mid = 0.5 * (lo + hi)
+                if choose(mid)[1] > budget:
+                    lo = mid
+                else:
+                    hi = mid
+            shifts[rows] = grid[choose(hi)[0]]
+    if mono_batch == -1:
+        shifts = np.maximum.accumulate(shifts)
+    return ConformalShift(edges, tuple(float(v) for v in shifts))
+
+
 @dataclass
 class FitResult:
     """A fitted model: the final booster (all data), its conformal shift and the CV evidence."""
@@ -306,8 +390,11 @@ def fit_interference_model(
         oof_raw[test_idx] = _train(X[train_idx], z[train_idx], config, mono).predict(X[test_idx])
     shift = ConformalShift((), (0.0,))
     if config.unsafe_target is not None:
-        excess = cap.log_excess(oof_raw, states, labels, config.unsafe_margin)
-        shift = mondrian_shift(excess, X[:, 0], config, mono[0])
+        if config.shift_allocation == "pooled":
+            shift = pooled_shift(oof_raw, states, labels, cap, config, mono[0])
+        else:
+            excess = cap.log_excess(oof_raw, states, labels, config.unsafe_margin)
+            shift = mondrian_shift(excess, X[:, 0], config, mono[0])
     oof = cap.apply(np.expm1(oof_raw - shift.for_batch(X[:, 0])), states)
     result = FitResult(
         booster=_train(X, z, config, mono),

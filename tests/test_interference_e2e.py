@@ -259,3 +259,14 @@ def test_shipped_label_promises_the_heuristics_itl_budget() -> None:
     assert target.kind == "absolute_ms"
     assert target.value / 1000.0 == pytest.approx(itl_budget_s(DEFAULT_TPOT_SLO_S))
     assert DEFAULT_TPOT_SLO_MS / 1000.0 == pytest.approx(DEFAULT_TPOT_SLO_S)
+
+
+def test_a_pooled_shift_fit_records_how_it_was_made(tmp_path: Path) -> None:
+    assert run("profile", "--n-states", "60", "--repeats", "2", "--out", str(tmp_path / "p.parquet")) == 0
+    out = tmp_path / "art"
+    args = ["fit-interference", "--no-wandb", "--profiles", str(tmp_path / "p.parquet"), "--out", str(out)]
+    assert run(*args, "--shift-allocation", "pooled", "--json", str(tmp_path / "fit.json")) == 0
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["fit_config"]["shift_allocation"] == "pooled"
+    assert "--shift-allocation pooled" in meta["command"]
+    assert json.loads((tmp_path / "fit.json").read_text())["cv_metrics"]["unsafe_share"] <= 0.02

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from interference_model.fit import (
     group_kfold,
     model_inputs,
     mondrian_shift,
+    pooled_shift,
 )
 from interference_model.labels import ITL_LABEL, LABEL, LeaseLabel, derive_labels
 from interference_model.predictor import SafeThroughputPredictor
@@ -137,6 +139,71 @@ def test_mondrian_shift_per_batch_bin() -> None:
     sparse = FitConfig(unsafe_target=0.05, shift_batch_edges=(10.0,), min_states_per_shift_bin=300)
     glob = conformal_shift(excess, 0.05)
     assert mondrian_shift(excess, batch, sparse, mono_batch=0).log_shifts == (glob, glob)
+
+
+def _hand_states(
+    batch: np.ndarray, excess: np.ndarray
+) -> tuple[np.ndarray, pd.DataFrame, LeaseCap, np.ndarray]:
+    """States of an unbounded KV room whose raw log prediction sits ``excess`` over the unsafe line."""
+    y = np.full(len(batch), 100.0)
+    states = np.zeros((len(batch), len(FEATURES)))
+    states[:, 0] = batch
+    labels = pd.DataFrame({LABEL: y, ITL_LABEL: y})
+    cap = LeaseCap(
+        LeaseLabel.parse("40ms", horizon_s=8.0), kv_capacity_tokens=1e12, min_rate_tokens_per_s=0.0
+    )
+    return states, labels, cap, np.log1p(1.05 * y) + excess
+
+
+def test_pooled_shift_spends_one_unsafe_budget_where_it_costs_least() -> None:
+    # 300 small-batch and 200 large-batch states predicted exactly, except 7 wild ones in each bin.
+    # Per bin (3 and 2 unsafe allowed) both bins must clear the wild ones and shrink every prediction
+    # by e; pooled (9 allowed in all) clears them in the smaller bin only.
+    exact = np.log1p(100.0) - np.log1p(105.0)  # raw = log1p(y): the excess of an exact prediction
+    batch = np.r_[np.full(300, 2.0), np.full(200, 50.0)]
+    excess = np.r_[np.full(293, exact), np.full(7, 1.0), np.full(193, exact), np.full(7, 1.0)]
+    states, labels, cap, raw = _hand_states(batch, excess)
+    config = FitConfig(
+        shift_batch_edges=(10.0,),
+        min_states_per_shift_bin=100,
+        shift_allocation="pooled",
+        shift_grid_step=0.01,
+    )
+    pooled = pooled_shift(raw, states, labels, cap, config, mono_batch=-1)
+    per_bin = mondrian_shift(cap.log_excess(raw, states, labels, 0.05), batch, config, mono_batch=-1)
+    assert min(per_bin.log_shifts) >= 1.0
+    small, large = pooled.log_shifts
+    assert small < 0.06 and large >= 1.0  # only the 200-state bin pays for its wild states
+    pred = cap.apply(np.expm1(raw - pooled.for_batch(batch)), states)
+    assert (pred > 1.05 * labels[LABEL].to_numpy()).sum() <= int(np.floor(0.02 * 501)) - 1
+    mape_pooled = np.mean(np.abs(pred - 100.0) / 100.0)
+    pred_bin = cap.apply(np.expm1(raw - per_bin.for_batch(batch)), states)
+    assert mape_pooled < 0.5 * np.mean(np.abs(pred_bin - 100.0) / 100.0)
+
+
+def test_pooled_shift_counts_sparse_bins_against_the_budget() -> None:
+    # The sparse large-batch bin keeps the global shift (0.5: the 6th largest of 321 states allows 5
+    # unsafe); its 5 states at 2.0 stay unsafe and use up the budget, so the dense bin must clear all
+    # of its own 6 at 0.5.
+    batch = np.r_[np.full(300, 2.0), np.full(20, 50.0)]
+    exact = np.log1p(100.0) - np.log1p(105.0)
+    excess = np.r_[np.full(294, exact), np.full(6, 0.5), np.full(15, exact), np.full(5, 2.0)]
+    states, labels, cap, raw = _hand_states(batch, excess)
+    config = FitConfig(shift_batch_edges=(10.0,), min_states_per_shift_bin=100, shift_allocation="pooled")
+    shift = pooled_shift(raw, states, labels, cap, config, mono_batch=0)
+    glob = conformal_shift(cap.log_excess(raw, states, labels, 0.05), 0.02)
+    assert glob == pytest.approx(0.5) and shift.log_shifts[1] == glob
+    assert shift.log_shifts[0] >= 0.5
+    pred = cap.apply(np.expm1(raw - shift.for_batch(batch)), states)
+    assert (pred > 1.05 * 100.0).sum() <= int(np.floor(0.02 * 321)) - 1
+
+
+def test_fit_with_pooled_shift_meets_the_unsafe_target_out_of_fold(profiles: pd.DataFrame) -> None:
+    labels = derive_labels(profiles, TARGET)
+    fit = fit_interference_model(labels, TARGET, replace(SMALL, shift_allocation="pooled"))
+    assert fit.cv_metrics["unsafe_share"] <= SMALL.unsafe_target
+    with pytest.raises(ValueError, match="shift_allocation"):
+        FitConfig(shift_allocation="per-bin")
 
 
 def test_states_the_kv_cap_keeps_safe_do_not_move_the_shift() -> None:

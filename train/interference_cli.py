@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from interference_model.artifact import DEFAULT_ITL_TARGET
+from interference_model.fit import SHIFT_ALLOCATIONS
 from interference_model.labels import DEFAULT_HORIZON_S, DEFAULT_TPOT_SLO_MS
 from train.cli_types import non_negative_int, positive_int
 from train.jsonio import write_json
@@ -49,6 +50,8 @@ def _fit_command(args: argparse.Namespace) -> str:
     ]
     if args.quantile_alpha is not None:
         argv += ["--quantile-alpha", str(args.quantile_alpha)]
+    if args.shift_allocation != "per_bin":
+        argv += ["--shift-allocation", args.shift_allocation]
     if args.no_kv_room:
         argv.append("--no-kv-room")
     return shlex.join(argv)
@@ -218,6 +221,13 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     p.add_argument("--unsafe-target", type=float, default=0.02, help="allowed out-of-fold unsafe share")
     p.add_argument(
+        "--shift-allocation",
+        choices=SHIFT_ALLOCATIONS,
+        default="per_bin",
+        help="per_bin: each batch bin meets --unsafe-target; pooled: the bins share it, shifts chosen "
+        "for the lowest out-of-fold MAPE (default per_bin)",
+    )
+    p.add_argument(
         "--quantile-alpha",
         type=float,
         default=None,
@@ -256,6 +266,7 @@ def run_fit(args: argparse.Namespace) -> int:
         monotone=args.quantile_alpha is None,
         unsafe_target=args.unsafe_target,
         min_lease_tokens=args.min_lease_tokens,
+        shift_allocation=args.shift_allocation,
         seed=args.seed,
     )
     t0 = time.perf_counter()
