@@ -255,13 +255,24 @@ def mondrian_shift(
     batch so the shifted model keeps that property."""
     assert config.unsafe_target is not None
     glob = conformal_shift(excess, config.unsafe_target)
-    edges = tuple(float(e) for e in config.shift_batch_edges)
-    bins = np.searchsorted(np.asarray(edges), batch, side="right")
+    edges, bins = _batch_bins(batch, config)
     shifts = np.full(len(edges) + 1, glob)
     for k in range(len(edges) + 1):
         m = bins == k
         if m.sum() >= config.min_states_per_shift_bin:
             shifts[k] = conformal_shift(excess[m], config.unsafe_target)
+    return _bin_shifts(edges, shifts, mono_batch)
+
+
+def _batch_bins(batch: np.ndarray, config: FitConfig) -> tuple[tuple[float, ...], np.ndarray]:
+    """The shift's batch edges and each state's bin index (bin ``k``: ``[edges[k-1], edges[k])``)."""
+    edges = tuple(float(e) for e in config.shift_batch_edges)
+    return edges, np.searchsorted(np.asarray(edges), batch, side="right")
+
+
+def _bin_shifts(edges: tuple[float, ...], shifts: np.ndarray, mono_batch: int) -> ConformalShift:
+    """The per-bin shifts, made non-decreasing in batch when the model is constrained non-increasing
+    there, so the shifted model keeps that property (raising a shift never adds an unsafe state)."""
     if mono_batch == -1:
         shifts = np.maximum.accumulate(shifts)
     return ConformalShift(edges, tuple(float(v) for v in shifts))
@@ -282,16 +293,14 @@ def pooled_shift(
     best grid shift, and ``lam`` is bisected to the cheapest price that keeps the total within budget
     (so the result is always feasible). A bin with fewer than ``min_states_per_shift_bin`` states keeps
     the global conformal shift, its unsafe states counted against the budget. Shifts are made
-    non-decreasing in batch when the model is constrained non-increasing there (raising a shift never
-    adds an unsafe state)."""
+    monotone in batch as :func:`mondrian_shift`'s are."""
     assert config.unsafe_target is not None
     y = labels[LABEL].to_numpy(dtype=float)
     n = len(y)
     batch = states[:, 0]
     excess = cap.log_excess(oof_raw, states, labels, config.unsafe_margin)
     glob = conformal_shift(excess, config.unsafe_target)
-    edges = tuple(float(e) for e in config.shift_batch_edges)
-    bins = np.searchsorted(np.asarray(edges), batch, side="right")
+    edges, bins = _batch_bins(batch, config)
     finite = excess[np.isfinite(excess)]
     top = max(float(finite.max()) if len(finite) else 0.0, glob) + config.shift_grid_step
     grid = np.arange(min(0.0, glob) - 0.25, top, config.shift_grid_step)
@@ -331,9 +340,7 @@ def pooled_shift(
                 else:
                     hi = mid
             shifts[rows] = grid[choose(hi)[0]]
-    if mono_batch == -1:
-        shifts = np.maximum.accumulate(shifts)
-    return ConformalShift(edges, tuple(float(v) for v in shifts))
+    return _bin_shifts(edges, shifts, mono_batch)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from interference_model.artifact import DEFAULT_ITL_TARGET
-from interference_model.fit import SHIFT_ALLOCATIONS
+from interference_model.fit import SHIFT_ALLOCATIONS, FitConfig
 from interference_model.labels import DEFAULT_HORIZON_S, DEFAULT_TPOT_SLO_MS
 from train.cli_types import non_negative_int, positive_int
 from train.jsonio import write_json
@@ -50,7 +50,7 @@ def _fit_command(args: argparse.Namespace) -> str:
     ]
     if args.quantile_alpha is not None:
         argv += ["--quantile-alpha", str(args.quantile_alpha)]
-    if args.shift_allocation != "per_bin":
+    if args.shift_allocation != FitConfig().shift_allocation:
         argv += ["--shift-allocation", args.shift_allocation]
     if args.no_kv_room:
         argv.append("--no-kv-room")
@@ -223,9 +223,9 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument(
         "--shift-allocation",
         choices=SHIFT_ALLOCATIONS,
-        default="per_bin",
+        default=FitConfig().shift_allocation,
         help="per_bin: each batch bin meets --unsafe-target; pooled: the bins share it, shifts chosen "
-        "for the lowest out-of-fold MAPE (default per_bin)",
+        "for the lowest out-of-fold MAPE (default %(default)s)",
     )
     p.add_argument(
         "--quantile-alpha",
@@ -248,7 +248,7 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 
 def run_fit(args: argparse.Namespace) -> int:
     from interference_model.artifact import log_artifact_to_wandb, save_artifact
-    from interference_model.fit import FitConfig, fit_interference_model
+    from interference_model.fit import fit_interference_model
     from interference_model.labels import derive_labels
     from interference_model.schema import profiles_sha256, read_profiles
 
@@ -378,7 +378,6 @@ def eval_predictors(
     from envs.cost_model import CostModel
     from envs.profiler import datasheet_roofline
     from interference_model.baselines import InvertedTimeModel, LinearBaseline, UtilisationThresholdBaseline
-    from interference_model.fit import FitConfig
 
     gpu, model, tp = meta["hardware"], meta["model"], int(meta["tp"])
     prefix = int(meta.get("cached_prefix_tokens", 0))
