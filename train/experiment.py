@@ -22,7 +22,7 @@ from envs.estimator import ClusterEstimator
 from envs.hardware import Precision
 from envs.metrics import SimResult
 from envs.request import Trace
-from envs.simulator import simulate
+from envs.simulator import Simulator, simulate
 from envs.splits import ALL, SIDES, trace_side
 from policies.slo import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
 
@@ -285,6 +285,29 @@ def run_point(
     )
 
 
+def simulate_at_phase(point: Point, trace: Trace, scheduler: Any, delay_s: float) -> SimResult:
+    """``point`` on the open-loop ``trace`` with ``scheduler`` as ``run_point`` simulates it, but
+    with the control plane running from time 0, before the first request (as a router's does), and
+    every arrival ``delay_s`` later: the control grid meets the arrivals at another phase. A
+    router's grid has no set phase against its clients' arrivals, so the simulator's answer over a
+    spread of phases is what a replay through a router is to be read against."""
+    if trace.closed_loop:
+        raise ValueError(f"simulate_at_phase: trace {trace.name!r} is closed-loop (its arrivals are drawn)")
+    later = delay_s * point.load  # the simulator divides arrival times by the load
+    shifted = [dataclasses.replace(r, arrival_s=r.arrival_s + later) for r in trace.requests]
+    sim = Simulator(
+        dataclasses.replace(trace, requests=shifted),
+        point.cluster(),
+        scheduler=scheduler,
+        cost_model=point.cost_model(),
+        load_factor=point.load,
+        session_rate_per_s=session_rate(point, trace),
+        seed=point.seed,
+    )
+    sim.start_control_ticks()
+    return sim.run()
+
+
 __all__ = [
     "Point",
     "build_scheduler",
@@ -293,4 +316,5 @@ __all__ = [
     "prepare_trace",
     "run_point",
     "sample_sessions",
+    "simulate_at_phase",
 ]
