@@ -574,20 +574,28 @@ class LiveCluster:
         )
 
     def node_state(self, idx: int) -> NodeState:
-        """Decode worker ``idx``'s ``NodeState`` now, its recent step times those of the last whole
-        control interval (the simulator's counters restart at every interval, so a state read
-        mid-interval would average a fraction of one): what the SGLang plugin reports in
-        ``/server_info`` on a real worker."""
+        """Decode worker ``idx``'s ``NodeState`` now: what the SGLang plugin reports in
+        ``/server_info`` on a real worker. Its recent step times are over the control interval that
+        ends now, as a simulator tick reads them over the interval ending at the tick (so a router
+        whose control grid runs at another phase than this cluster's reads what its simulator
+        would): the iterations since this cluster's last tick, plus the part of the interval before
+        it that the trailing window still covers, pro rata."""
         self._advance()
-        state = self.sim._node_state(self.sim.decode[idx])
-        if self.sim.tick_node_states:
-            tick = self.sim.tick_node_states[idx]
-            state = replace(
-                state,
-                recent_step_time_s=tick.recent_step_time_s,
-                recent_decode_only_step_time_s=tick.recent_decode_only_step_time_s,
-            )
-        return state
+        sim = self.sim
+        w = sim.decode[idx]
+        state = sim._node_state(w)
+        if sim.last_tick_s is None:
+            return state
+        interval_s = self.config.control_interval_s
+        keep = max(0.0, 1.0 - (sim.now_s - sim.last_tick_s) / interval_s)
+        steps = w.step_count + keep * w.prev_step_count
+        if steps <= 0:
+            return state
+        return replace(
+            state,
+            recent_step_time_s=(w.step_time_ns + keep * w.prev_step_time_ns) * 1e-9 / steps,
+            recent_decode_only_step_time_s=(w.decode_only_ns + keep * w.prev_decode_only_ns) * 1e-9 / steps,
+        )
 
     def _transferring(self, live: LiveRequest) -> bool:
         req = self.sim.reqs[live.rid]

@@ -195,6 +195,11 @@ class DecodeWorker:
     decode_only_ns: int = 0
     """What the same iterations would have taken without prefill mixed in."""
     step_count: int = 0
+    prev_step_time_ns: int = 0
+    prev_decode_only_ns: int = 0
+    prev_step_count: int = 0
+    """The three above over the last whole control interval (``LiveCluster.node_state`` reads a
+    trailing interval from them and the current one's)."""
     decode_tokens_total: int = 0
     """Decode tokens the iterations produced since the start ..."""
     mixed_decode_tokens_total: int = 0

@@ -249,6 +249,8 @@ class Simulator:
         prefill iteration that completes no prompt (only a completion changes what a decode node
         reports: the KV pre-allocated for requests still prefilling)."""
         self.ticks = 0
+        self.last_tick_s: float | None = None
+        """When the last control interval ran (``None`` before the first)."""
         self.ticks_replayed = 0
         """Control intervals run, and those of them the scheduler replayed."""
         self.rejected_context = 0
@@ -1413,6 +1415,7 @@ class Simulator:
         here, the token buckets, the node timeline and the idle check, runs either way."""
         assert self.scheduler is not None
         self.ticks += 1
+        self.last_tick_s = self.now_s
         replay = self._replay_interval
         if self._states_unchanged and replay is not None and replay(self.now_s):
             self.ticks_replayed += 1
@@ -1434,6 +1437,11 @@ class Simulator:
                     self._fallback(req)
             timeline.append((now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
             ran = ran or w.step_count > 0
+            w.prev_step_time_ns, w.prev_decode_only_ns, w.prev_step_count = (
+                w.step_time_ns,
+                w.decode_only_ns,
+                w.step_count,
+            )
             w.step_time_ns = 0
             w.decode_only_ns = 0
             w.step_count = 0

@@ -579,3 +579,30 @@ def test_tensor_parallel_ranks_decide_alike_whatever_their_local_clocks() -> Non
             cluster.run(100, [(0, reqs[0]), (2, reqs[1])])
             runs.append((cluster.extend_tokens, [len(r.output_ids) for r in reqs]))
     assert runs[0] == runs[1] and runs[0][0]
+
+
+def test_recent_step_times_are_over_the_trailing_window_whenever_they_are_read() -> None:
+    """``NodeState.recent_step_time_s`` is the mean time between the running batch's tokens over the
+    steps that ended in the last ``CROSSFLOW_STEP_WINDOW_S`` (what a simulator tick averages over
+    the interval ending at it): reading it resets nothing, a local EXTEND step's time counts in the
+    next token's step, and the decode-only mean takes pure decode steps alone."""
+    ms = 1_000_000
+    stats = local_prefill._StepStats(window_ns=500 * ms)
+    stats.record(0, None)
+    t = 0
+    for _ in range(10):  # ten 20 ms decode steps, ending at 20 .. 200 ms
+        t += 20 * ms
+        stats.record(t, "decode", 4)
+    assert stats.recent(t) == pytest.approx((0.02, 0.02))
+    assert stats.recent(t) == pytest.approx((0.02, 0.02)), "reading resets nothing"
+    t += 60 * ms
+    stats.record(t, "extend", local=True)  # a 60 ms local EXTEND step: no token
+    t += 20 * ms
+    stats.record(t, "decode", 4)  # its token waited 80 ms
+    assert stats.recent(t) == pytest.approx(((200 + 80) * 1e-3 / 11, (200 + 20) * 1e-3 / 11))
+    # 400 ms later the window (500 ms) holds the steps that ended after 280 - 100 = 180 ms
+    assert stats.recent(t + 400 * ms) == pytest.approx(((20 + 80) * 1e-3 / 2, 0.02))
+    assert stats.recent(t + 10**9) == (0.0, 0.0), "no step in the window"
+    assert PluginConfig.from_env({"CROSSFLOW_STEP_WINDOW_S": "0.25"}).step_window_s == 0.25
+    with pytest.raises(ValueError, match="CROSSFLOW_STEP_WINDOW_S"):
+        PluginConfig(step_window_s=0.0)

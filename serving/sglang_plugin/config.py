@@ -20,22 +20,27 @@ class PluginConfig:
     burst_s: float = DEFAULT_CONTROL_INTERVAL_S
     """The lease token bucket holds at most this many seconds of the lease's prefill rate (the
     simulator uses the control interval)."""
+    step_window_s: float = DEFAULT_CONTROL_INTERVAL_S
+    """``NodeState.recent_step_time_s`` is over the iterations of this last stretch of time whenever
+    the lease agent reads it: set it to the router's control interval (a simulator tick averages
+    the interval that ends at it)."""
     metrics: bool = True
     """Export ``crossflow:*`` metrics on the worker's Prometheus registry (needs ``--enable-metrics``)."""
 
     ENV: ClassVar[dict[str, str]] = {
         "node_id": "CROSSFLOW_NODE_ID",
         "burst_s": "CROSSFLOW_LEASE_BURST_S",
+        "step_window_s": "CROSSFLOW_STEP_WINDOW_S",
         "metrics": "CROSSFLOW_PLUGIN_METRICS",
     }
 
     def __post_init__(self) -> None:
         if self.node_id < 0:
             raise ValueError(f"{self.ENV['node_id']} must be >= 0, got {self.node_id}")
-        if not (self.burst_s > 0 and math.isfinite(self.burst_s)):
-            raise ValueError(
-                f"{self.ENV['burst_s']} must be a positive number of seconds, got {self.burst_s}"
-            )
+        for name in ("burst_s", "step_window_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{self.ENV[name]} must be a positive number of seconds, got {value}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> PluginConfig:

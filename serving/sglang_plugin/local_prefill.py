@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -47,6 +48,7 @@ from policies.admission import LocalPrefillAdmission, borrowed_start_blocked, pr
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
+from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 from serving.sglang_plugin.config import PluginConfig
 from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, unmark_routing_key
 
@@ -75,12 +77,18 @@ class SGLangApi:
 
 @dataclass
 class _StepStats:
-    """Iteration times since the lease agent last read the node's state (local clock, never decides)."""
+    """Iteration times over a trailing window (local clock, never decides), and token totals."""
 
+    window_ns: int = int(DEFAULT_CONTROL_INTERVAL_S * 1e9)
+    """The recent step times are over the iterations that ended in this last stretch of time (a
+    control interval: what a simulator tick averages), whenever the lease agent reads them."""
     last_ns: int | None = None
+    steps: deque[tuple[int, int, int]] = field(default_factory=deque)
+    """``(end, time since the previous token step, own duration if a pure decode step else -1)`` in
+    ns of each step in the window that emitted a token for the running batch (decode, or an EXTEND
+    step mixed with it), oldest first; a step that emitted none (a local EXTEND step) counts in the
+    next token step's time, as the ITL of that token does. Their sums:"""
     total_ns: int = 0
-    decode_steps: int = 0
-    """Steps that emitted a token for the running batch (decode, or an EXTEND step mixed with it)."""
     pure_decode_ns: int = 0
     pure_decode_steps: int = 0
     decode_tokens: int = 0
@@ -90,34 +98,50 @@ class _StepStats:
     """Of those, tokens whose step had local prefill in it: a mixed step's, and a decode step's right
     after one or more local EXTEND steps (each of its tokens waited the EXTEND out)."""
     after_local_extend: bool = False
+    carried_ns: int = 0
+    """Time of the steps since the last token step that emitted no token."""
 
     def record(self, now_ns: int, kind: str | None, tokens: int = 0, *, local: bool = False) -> None:
         """The iteration that just ended ran ``kind`` (``_last_step_kind``) and gave the running batch
         ``tokens`` tokens; ``local``: it was the plugin's own EXTEND batch (borrowed prefill)."""
+        self._drop_before(now_ns - self.window_ns)
         if self.last_ns is not None and kind is not None:
             step = now_ns - self.last_ns
-            self.total_ns += step
             if kind in ("decode", "mixed"):
-                self.decode_steps += 1
+                pure = step if kind == "decode" else -1
+                self.steps.append((now_ns, step + self.carried_ns, pure))
+                self.total_ns += step + self.carried_ns
+                self.carried_ns = 0
+                if pure >= 0:
+                    self.pure_decode_ns += pure
+                    self.pure_decode_steps += 1
                 self.decode_tokens += tokens
                 if kind == "mixed" or self.after_local_extend:
                     self.mixed_decode_tokens += tokens
                 self.after_local_extend = False
-            if kind == "decode":
-                self.pure_decode_ns += step
-                self.pure_decode_steps += 1
+            else:
+                self.carried_ns += step
             if kind == "extend" and local:
                 self.after_local_extend = True
         self.last_ns = now_ns
 
-    def take(self) -> tuple[float, float]:
-        """``(mean time between tokens of the running batch, mean decode-only step)`` in seconds, then
-        start a new window (0 when there was no such step)."""
-        recent = self.total_ns * 1e-9 / self.decode_steps if self.decode_steps else 0.0
+    def recent(self, now_ns: int) -> tuple[float, float]:
+        """``(mean time between tokens of the running batch, mean decode-only step)`` in seconds over
+        the steps that ended in the last ``window_ns`` (0 when there was no such step)."""
+        self._drop_before(now_ns - self.window_ns)
+        steps = self.steps
+        recent = self.total_ns * 1e-9 / len(steps) if steps else 0.0
         decode_only = self.pure_decode_ns * 1e-9 / self.pure_decode_steps if self.pure_decode_steps else 0.0
-        self.total_ns = self.decode_steps = 0
-        self.pure_decode_ns = self.pure_decode_steps = 0
         return recent, decode_only
+
+    def _drop_before(self, horizon_ns: int) -> None:
+        steps = self.steps
+        while steps and steps[0][0] <= horizon_ns:
+            _, step, pure = steps.popleft()
+            self.total_ns -= step
+            if pure >= 0:
+                self.pure_decode_ns -= pure
+                self.pure_decode_steps -= 1
 
 
 @dataclass
@@ -146,13 +170,14 @@ class LocalPrefill:
     """The EXTEND batch this plugin returned last, until it is merged."""
     disabled: str | None = None
     counters: dict[str, int] = field(default_factory=dict)
-    _steps: _StepStats = field(default_factory=_StepStats)
+    _steps: _StepStats = field(init=False)
     largest_step_beside_decode_tokens: int = 0
     """The most prompt tokens one local EXTEND step computed while requests were decoding (what the
     lease's ``ChunkLimits`` bound; the GPU check reads it)."""
 
     def __post_init__(self) -> None:
         self.admission = LocalPrefillAdmission(node_id=self.config.node_id, burst_s=self.config.burst_s)
+        self._steps = _StepStats(window_ns=int(self.config.step_window_s * 1e9))
         self.disabled = unsupported_reason(self.scheduler)
         if self.disabled:
             logger.warning("Crossflow decode-local prefill is off on this worker: %s", self.disabled)
@@ -550,7 +575,7 @@ class LocalPrefill:
         queued_tokens = sum(len(req.origin_input_ids) for req in self.queue)
         if chunked is not None:
             queued_tokens += len(chunked.origin_input_ids) - chunked.extend_end
-        recent_s, decode_only_s = self._steps.take()
+        recent_s, decode_only_s = self._steps.recent(self.api.monotonic_ns())
         drain = drain_features(contexts.tolist(), remaining.tolist())
         return NodeState(
             node_id=self.config.node_id,
