@@ -122,9 +122,15 @@ class LeaseAgent:
 
     async def report_once(self, client: UpstreamClient) -> dict[str, Any]:
         """Read the worker's state and post it; the control plane's answer (the lease now held)."""
+        read_from = time.perf_counter()
         state = await self.read_state(client)
         body = dumps(
-            {"node_id": self.node_id, "node_state": state.to_dict(), "takes_leases": self.takes_leases}
+            {
+                "node_id": self.node_id,
+                "node_state": state.to_dict(),
+                "takes_leases": self.takes_leases,
+                "state_age_s": time.perf_counter() - read_from,
+            }
         )
         headers = {**JSON_HEADERS, "Authorization": f"Bearer {self.token}"}
         answer: dict[str, Any] = loads(

@@ -36,7 +36,11 @@ request:
 within the last 1.5 intervals to ``ClusterScheduler.on_control_interval``, which runs the node
 policy and publishes (or revokes) each node's lease in the router's ledger, exactly as the simulator
 does. A node whose agent stopped reporting is left out, so its lease is not refreshed and expires at
-its TTL: nothing more is borrowed there.
+its TTL: nothing more is borrowed there. A borrowed request counts as arrived at its node (so the
+node's next lease adds back what it holds, as work the node's state already shows) only once a report
+read after the request was sent comes in: a report read before it cannot show it, and counting it
+then would grant its budget twice (the simulator's states are exact at its ticks, so there the two
+coincide).
 
 **Policy reload.** ``POST /crossflow/v1/policy`` on the control plane (``{"policy": REF}``) swaps the
 router's scheduler for the one ``policy_loader`` builds, without dropping a request
@@ -107,7 +111,9 @@ if TYPE_CHECKING:
     from policies.bundle import PolicyBundle
 
 NODE_STATE_PATH = "/crossflow/v1/node_state"
-"""The control plane's lease-report route (``POST``, JSON ``{"node_id": j, "node_state": {...}}``)."""
+"""The control plane's lease-report route (``POST``, JSON ``{"node_id": j, "node_state": {...}}``,
+optionally ``"state_age_s"``: wall seconds from the start of the agent's read of the worker to the
+post, so the router knows which of its borrowed requests the state can reflect)."""
 POLICY_PATH = "/crossflow/v1/policy"
 """The control plane's policy route: ``GET`` the served policy, ``POST {"policy": REF}`` reloads it
 (``Router.reload_policy``)."""
@@ -496,6 +502,10 @@ class Router:
         self._rooms = np.random.default_rng(config.seed + 2)
         self._next_id = 0
         self._reports: dict[int, tuple[NodeState, float]] = {}
+        """Per node, its last reported state and when (the scheduler's clock) the agent began reading it."""
+        self._unreported: dict[int, dict[tuple[int, int], tuple[Any, float]]] = {}
+        """Per node, borrowed requests sent there that no report has shown yet: (policy generation,
+        reservation id) -> (the scheduler holding it, when it was sent)."""
         self._lease_takers: set[int] = set()
         """Decode nodes whose agents say their worker installs pushed leases (``_push_leases``)."""
         self._pushed: dict[int, tuple[Any, ...]] = {}
@@ -868,7 +878,12 @@ class Router:
                 raise HttpError(400, f"field 'node_state': {exc}") from None
             if state is None:
                 raise HttpError(400, "field 'node_state' must be an object")
-            self._reports[node] = (state, self.now_s())
+            age = body.get("state_age_s", 0.0)
+            if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < math.inf:
+                raise HttpError(400, "field 'state_age_s' must be a non-negative number of seconds")
+            read_s = self.now_s() - age / self.config.time_scale
+            self._reports[node] = (state, read_s)
+            self._note_reported_arrivals(node, state, read_s)
             if len(self._reports) == len(self.decode):
                 self._all_reported.set()
             if body.get("takes_leases") is True:
@@ -1169,9 +1184,8 @@ class Router:
         leg_body = _leg_json(flight.common_json, fields)
         self._enter(flight, d, None)
         started = False
-        reported = self._reports.get(d.idx)
-        if reported is not None:  # it reaches the node now: its next lease counts it as the node's work
-            scheduler.on_task_arrival(res, reported[0], self.now_s())
+        # it reaches the node now; the first report read after this shows it (_note_reported_arrivals)
+        self._unreported.setdefault(d.idx, {})[(flight.generation, res)] = (scheduler, self.now_s())
 
         def first_token() -> None:
             nonlocal started
@@ -1186,6 +1200,7 @@ class Router:
         finally:
             self._leave(flight, d)
             self._reservation_nodes.pop((flight.generation, res), None)
+            self._unreported.get(d.idx, {}).pop((flight.generation, res), None)
             if not started:
                 flight.prefill = None  # the fallback picks its prefill worker again, as the simulator
             if started:
@@ -1194,6 +1209,18 @@ class Router:
                         scheduler.on_request_finished(res)
             else:
                 scheduler.on_fallback(res)
+
+    def _note_reported_arrivals(self, node: int, state: NodeState, read_s: float) -> None:
+        """Tell the schedulers that the borrowed requests sent to ``node`` before its state was read
+        at ``read_s`` have arrived there (``on_task_arrival``): the node's next lease counts them as
+        work its state shows. Those sent later wait for the next report."""
+        waiting = self._unreported.get(node)
+        if not waiting:
+            return
+        for key, (scheduler, sent_s) in list(waiting.items()):
+            if sent_s <= read_s:
+                del waiting[key]
+                scheduler.on_task_arrival(key[1], state, read_s)
 
     @staticmethod
     def _worker_fine(status: int, path: str) -> bool:

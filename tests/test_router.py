@@ -500,24 +500,34 @@ def test_twice_the_clusters_capacity_for_a_bounded_time_loses_no_request() -> No
 
 @pytest.mark.slow
 @pytest.mark.timing
-def test_heuristic_through_the_router_agrees_with_simulate() -> None:
-    """The heuristic policy on 2P4D at twice the trace's load (above static saturation: the prefill
-    pool is congested and the policy borrows), 60 requests of the synthetic Mooncake trace: through
-    the router and its lease agents on the emulated cluster whose nodes install the router's pushed
-    leases (as ``crossflow serve --router crossflow`` runs them), and in ``crossflow simulate``. Input
-    throughput within 10 %, mean TTFT within 20 %, mean ITL within 10 %, the borrowed share within 5
-    points (runs on idle cores came within 1.7, one request; the simulator's own share moves by more
-    than that with the phase of its control grid, ``docs/serving.md``). ``benchmarks/bench_router.py
-    agree`` runs the same point with more detail."""
+@pytest.mark.parametrize("load", [1.25, 2.0])
+def test_heuristic_through_the_router_agrees_with_simulate(load: float) -> None:
+    """The heuristic policy on 2P4D at static saturation (1.25x the trace's load) and above it (2x:
+    the prefill pool is congested and the policy borrows), 60 requests of the synthetic Mooncake
+    trace: through the router and its lease agents on the emulated cluster whose nodes install the
+    router's pushed leases (as ``crossflow serve --router crossflow`` runs them), and in the
+    simulator. The router's control grid has no set phase against the arrivals and the simulator's
+    answer moves with that phase by more than the aims (``docs/serving.md``), so one replay is held
+    to the simulator at 8 phases, leases out before the first request as the router's are: each
+    figure within the phases' range widened by the aim (input throughput 10 %, mean TTFT 20 %, mean
+    ITL 10 %, the borrowed share 5 points). ``benchmarks/bench_router.py agree`` prints the router's
+    difference from the phases' median against the aims, with more detail."""
     from serving.node_leases import WireLeases
     from serving.replay import ReplayConfig, replay
-    from train.experiment import Point, prepare_trace, run_point
+    from train.experiment import Point, prepare_trace, simulate_at_phase
 
-    point = Point(policy="heuristic", trace="mooncake-synthetic", shape="2P4D", max_requests=60, load=2.0)
+    point = Point(policy="heuristic", trace="mooncake-synthetic", shape="2P4D", max_requests=60, load=load)
     trace = prepare_trace(point)
-    simulated = run_point(point, trace=trace).metrics
-    assert simulated.borrowed_share > 0.1, "the point borrows"
     config, cm = point.cluster(), point.cost_model()
+    phases = [
+        simulate_at_phase(
+            point, trace, build_scheduler("heuristic", config, cm), k / 8 * config.control_interval_s
+        )
+        for k in range(8)
+    ]
+    names = ("input_tokens_per_s", "ttft_mean_s", "itl_mean_s", "borrowed_share")
+    low, high = ({n: pick(getattr(r.metrics, n) for r in phases) for n in names} for pick in (min, max))
+    assert low["borrowed_share"] > 0.1, "the point borrows"
     with _stack(
         config,
         scale=6.0,
@@ -529,12 +539,13 @@ def test_heuristic_through_the_router_agrees_with_simulate() -> None:
         completed = {k[0]: v for k, v in stack.router.m_completed.values.items()}
     m = result.metrics
     assert result.lag_failure is None
-    assert m["n_finished"] == simulated.n_finished == 60
+    assert m["n_finished"] == 60 and all(r.metrics.n_finished == 60 for r in phases)
     borrowed_share = completed.get("borrow", 0.0) / sum(completed.values())
-    assert m["input_tokens_per_s"] == pytest.approx(simulated.input_tokens_per_s, rel=0.10)
-    assert m["ttft_mean_s"] == pytest.approx(simulated.ttft_mean_s, rel=0.20)
-    assert m["itl_mean_s"] == pytest.approx(simulated.itl_mean_s, rel=0.10)
-    assert borrowed_share == pytest.approx(simulated.borrowed_share, abs=0.05)
+    router = {n: float(m[n]) for n in names[:3]} | {"borrowed_share": borrowed_share}
+    for name, rel in (("input_tokens_per_s", 0.10), ("ttft_mean_s", 0.20), ("itl_mean_s", 0.10)):
+        assert low[name] * (1 - rel) <= router[name] <= high[name] * (1 + rel), (name, router, low, high)
+    share = router["borrowed_share"]
+    assert low["borrowed_share"] - 0.05 - 1e-9 <= share <= high["borrowed_share"] + 0.05 + 1e-9
 
 
 def test_the_prefill_queue_replay_matches_the_simulated_workers_count() -> None:
@@ -893,3 +904,59 @@ def test_serve_run_s_stops_the_router_cleanly_with_streams_and_idle_connections_
     assert proc.returncode == 0, err
     assert len(ended) == 3, "every stream ended"
     assert err == "", err
+
+
+def test_a_borrowed_request_counts_as_arrived_only_in_a_report_read_after_it_was_sent() -> None:
+    """The node's next lease adds back what a borrowed request holds as work the node's state shows
+    (``ClusterScheduler.on_task_arrival``); a lease agent's report read before the request reached
+    the node cannot show it, so the router tells the scheduler only with the first report read after
+    it was sent (``state_age_s``: how long before the post the agent began reading)."""
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    arrivals: list[tuple[int, float]] = []
+
+    class Noted(BorrowMarked):
+        def on_task_arrival(self, reservation_id: int, state: Any, now_s: float) -> str:
+            arrivals.append((reservation_id, now_s))
+            return "run"
+
+    scheduler = Noted()
+    worker_side = build_scheduler("utilisation", config, cm)
+    with (
+        _stack(
+            config, worker_scheduler=worker_side, scheduler=scheduler, estimator=ClusterEstimator(config, cm)
+        ) as (background, _, stack),
+        _client() as c,
+    ):
+        router = stack.router
+        for agent in stack.agents:
+            _on(background, agent.stop())  # the test posts the reports itself
+        auth = {"authorization": f"Bearer {router.control_token}"}
+        route = router.control_url + NODE_STATE_PATH
+        state = NodeState(0, 0.0, 0, 0.0, 0.0, 0.0, 10**6, 0, 0, 0, 0, 0, 0.0, 0.0, 8).to_dict()
+
+        def report(age_s: float | str | bool | None) -> Any:
+            return c.post(route, json={"node_id": 0, "node_state": state, "state_age_s": age_s}, headers=auth)
+
+        for bad in (-1.0, "0.1", True, None):
+            answer = report(bad)
+            assert answer.status_code == 400 and "state_age_s" in answer.json()["error"]["message"]
+        body = {
+            "input_ids": list(range(100, 100 + BORROW_TOKENS)),
+            "sampling_params": {"max_new_tokens": 400},
+        }
+        with c.stream("POST", f"{router.url}/generate", json={**body, "stream": True}) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # borrowed and streaming
+            sent_s = router.now_s()
+            assert arrivals == [] and scheduler.ledger.active_ids(0), "in flight, no report since"
+            assert report(60.0).status_code == 200  # read a minute ago: before the request was sent
+            assert arrivals == []
+            assert report(0.0).status_code == 200  # read now: it shows the request
+            assert [rid for rid, _ in arrivals] == scheduler.ledger.active_ids(0)
+            assert arrivals[0][1] >= sent_s - 1.0
+            assert report(0.0).status_code == 200
+            assert len(arrivals) == 1, "told once"
+            for _ in lines:
+                pass
+        assert report(0.0).status_code == 200 and len(arrivals) == 1, "a finished request is never told"
