@@ -47,15 +47,13 @@ from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
 from envs.live import LiveCluster
-from envs.metrics import SimResult
 from envs.request import Trace
-from envs.simulator import Simulator
 from serving.gateways import Gateway, GatewaySpec, missing_reason
 from serving.node_leases import WireLeases
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
 from serving.replay import ReplayConfig, replay
 from serving.stack import CrossflowStack
-from train.experiment import Point, build_scheduler, prepare_trace, session_rate, simulate_at_phase
+from train.experiment import Point, build_scheduler, prepare_trace, simulate_at_phase
 
 
 def _on(background: BackgroundCluster, coro: Any) -> Any:
@@ -112,26 +110,14 @@ class DecisionLog:
 
 
 def simulate_point(point: Point, trace: Trace, *, delay_s: float | None = None, log: bool = False) -> Any:
-    """``point`` simulated as ``run_point`` does (same scheduler, seed and load); with ``delay_s``,
-    as ``train.experiment.simulate_at_phase`` does: the control ticks start at time 0, so the leases
-    are out before the first request, and every arrival comes that much later, so the control grid
-    meets the arrivals at another phase. Returns ``(result, DecisionLog or None)``."""
+    """``point`` simulated by ``train.experiment.simulate_at_phase`` with the point's scheduler (same
+    seed and load as ``run_point``); with ``delay_s``, the control ticks start at time 0, so the
+    leases are out before the first request, and every arrival comes that much later, so the control
+    grid meets the arrivals at another phase. Returns ``(result, DecisionLog or None)``."""
     config, cm = point.cluster(), point.cost_model()
     scheduler = build_scheduler(point.policy, config, cm)
     decisions = DecisionLog(scheduler) if log and scheduler is not None else None
-    if delay_s is not None:
-        return simulate_at_phase(point, trace, scheduler, delay_s), decisions
-    sim = Simulator(
-        trace,
-        config,
-        scheduler=scheduler,
-        cost_model=cm,
-        load_factor=point.load,
-        session_rate_per_s=session_rate(point, trace),
-        seed=point.seed,
-    )
-    result: SimResult = sim.run()
-    return result, decisions
+    return simulate_at_phase(point, trace, scheduler, delay_s), decisions
 
 
 def _metrics_row(m: Any) -> tuple[float, float, float, float]:

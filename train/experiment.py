@@ -285,18 +285,23 @@ def run_point(
     )
 
 
-def simulate_at_phase(point: Point, trace: Trace, scheduler: Any, delay_s: float) -> SimResult:
-    """``point`` on the open-loop ``trace`` with ``scheduler`` as ``run_point`` simulates it, but
-    with the control plane running from time 0, before the first request (as a router's does), and
-    every arrival ``delay_s`` later: the control grid meets the arrivals at another phase. A
-    router's grid has no set phase against its clients' arrivals, so the simulator's answer over a
-    spread of phases is what a replay through a router is to be read against."""
-    if trace.closed_loop:
-        raise ValueError(f"simulate_at_phase: trace {trace.name!r} is closed-loop (its arrivals are drawn)")
-    later = delay_s * point.load  # the simulator divides arrival times by the load
-    shifted = [dataclasses.replace(r, arrival_s=r.arrival_s + later) for r in trace.requests]
+def simulate_at_phase(point: Point, trace: Trace, scheduler: Any, delay_s: float | None) -> SimResult:
+    """``point`` on ``trace`` with ``scheduler`` at the seed and load ``run_point`` uses. With
+    ``delay_s``, the control plane runs from time 0, before the first request (as a router's does),
+    and every arrival of the open-loop trace comes ``delay_s`` later: the control grid meets the
+    arrivals at another phase. A router's grid has no set phase against its clients' arrivals, so
+    the simulator's answer over a spread of phases is what a replay through a router is to be read
+    against. ``None``: the trace as it is, the control ticks starting at its first arrival."""
+    if delay_s is not None:
+        if trace.closed_loop:
+            raise ValueError(
+                f"simulate_at_phase: trace {trace.name!r} is closed-loop (its arrivals are drawn)"
+            )
+        later = delay_s * point.load  # the simulator divides arrival times by the load
+        shifted = [dataclasses.replace(r, arrival_s=r.arrival_s + later) for r in trace.requests]
+        trace = dataclasses.replace(trace, requests=shifted)
     sim = Simulator(
-        dataclasses.replace(trace, requests=shifted),
+        trace,
         point.cluster(),
         scheduler=scheduler,
         cost_model=point.cost_model(),
@@ -304,7 +309,8 @@ def simulate_at_phase(point: Point, trace: Trace, scheduler: Any, delay_s: float
         session_rate_per_s=session_rate(point, trace),
         seed=point.seed,
     )
-    sim.start_control_ticks()
+    if delay_s is not None:
+        sim.start_control_ticks()
     return sim.run()
 
 
