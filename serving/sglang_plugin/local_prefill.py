@@ -48,7 +48,6 @@ from policies.admission import LocalPrefillAdmission, borrowed_start_blocked, pr
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
-from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 from serving.sglang_plugin.config import PluginConfig
 from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, unmark_routing_key
 
@@ -79,9 +78,9 @@ class SGLangApi:
 class _StepStats:
     """Iteration times over a trailing window (local clock, never decides), and token totals."""
 
-    window_ns: int = int(DEFAULT_CONTROL_INTERVAL_S * 1e9)
-    """The recent step times are over the iterations that ended in this last stretch of time (a
-    control interval: what a simulator tick averages), whenever the lease agent reads them."""
+    window_ns: int
+    """The recent step times are over the iterations that ended in this last stretch of time
+    (``PluginConfig.step_window_s``), whenever the lease agent reads them."""
     last_ns: int | None = None
     steps: deque[tuple[int, int, int]] = field(default_factory=deque)
     """``(end, time since the previous token step, own duration if a pure decode step else -1)`` in
