@@ -597,6 +597,11 @@ class LiveCluster:
             recent_decode_only_step_time_s=(w.decode_only_ns + keep * w.prev_decode_only_ns) * 1e-9 / steps,
         )
 
+    def prefill_started(self, live: LiveRequest) -> bool:
+        """Whether ``live``'s prefill has begun (a borrowed one: the node started it and committed its
+        reservation, ``on_task_started``)."""
+        return bool(self.sim.reqs[live.rid].started)
+
     def _transferring(self, live: LiveRequest) -> bool:
         req = self.sim.reqs[live.rid]
         return req.started and req.done >= req.input and not live.kv_landed.is_set()

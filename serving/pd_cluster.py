@@ -58,7 +58,12 @@ from policies.routing import CacheAwareConfig, OverloadProtection
 from serving.gateways import GatewayKind, GatewaySpec
 from serving.http import HttpError, HttpRequest, HttpServer, SseStream, send_json, send_text
 from serving.replay import LAG_KEY, LAG_SINCE_PARAM, TIME_SCALE_KEY
-from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, is_lease_update, parse_lease_update
+from serving.sglang_plugin.wire import (
+    INTERNAL_STATE_KEY,
+    STARTED_BORROWED_KEY,
+    is_lease_update,
+    parse_lease_update,
+)
 
 Role = Literal["prefill", "decode"]
 
@@ -479,6 +484,9 @@ class PDWorker:
         self.gen_throughput = 0.0
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         """The generation handlers running, by request id (``/abort_request`` cancels them)."""
+        self._borrowed: dict[str, LiveRequest] = {}
+        """The borrowed requests this decode worker holds, by request id (those whose prefill has
+        begun are reported in ``/server_info``, as the plugin reports them)."""
 
     @property
     def name(self) -> str:
@@ -663,6 +671,9 @@ class PDWorker:
             if c.live.takes_wire_leases():  # as the plugin, which installs pushed leases
                 lease = c.live.sim.scheduler.ledger.lease(self.idx)  # type: ignore[union-attr]
                 plugin["lease"] = None if lease is None else lease.to_dict()
+            plugin[STARTED_BORROWED_KEY] = sorted(
+                rid for rid, live in self._borrowed.items() if c.live.prefill_started(live)
+            )
             info["internal_states"][0][INTERNAL_STATE_KEY] = plugin
         if self.bootstrap is not None:
             info["disaggregation_bootstrap_port"] = self.bootstrap.port
@@ -918,28 +929,33 @@ class PDWorker:
             live = c.live.submit_borrowed(
                 gen.token_ids, gen.max_new_tokens, decode_worker=self.idx, reservation_id=reservation
             )
+            self._borrowed[gen.rid] = live
         else:
             assert gen.bootstrap_room is not None
             pidx = await c.resolve_bootstrap(gen.bootstrap_host, gen.bootstrap_port)
             live = await c.meet(pidx, gen.bootstrap_room, "decode", gen, self.idx)
         sent = 0
-        while True:
-            await live.changed()
-            if live.error is not None:
-                if sent == 0:
-                    raise _Abort(*live.error)
-                break
-            tokens = live.generated
-            final = live.finished
-            if stream is not None and tokens > sent:
-                event = render_event(
-                    gen, tokens, sent, live.cached_tokens, final, prefill_leg=False,
-                    incremental=c.incremental_streaming_output,
-                )  # fmt: skip
-                await stream.send(event)
-                sent = tokens
-            if final:
-                break
+        try:
+            while True:
+                await live.changed()
+                if live.error is not None:
+                    if sent == 0:
+                        raise _Abort(*live.error)
+                    break
+                tokens = live.generated
+                final = live.finished
+                if stream is not None and tokens > sent:
+                    event = render_event(
+                        gen, tokens, sent, live.cached_tokens, final, prefill_leg=False,
+                        incremental=c.incremental_streaming_output,
+                    )  # fmt: skip
+                    await stream.send(event)
+                    sent = tokens
+                if final:
+                    break
+        finally:
+            if self._borrowed.get(gen.rid) is live:
+                del self._borrowed[gen.rid]
         self.generation_tokens_total += live.generated
         self.cached_tokens_total += live.cached_tokens
         if stream is not None:

@@ -508,6 +508,18 @@ def test_node_state_reaches_the_lease_agent_through_server_info(installed: sg.Ho
     assert state[wire.INTERNAL_STATE_KEY]["lease"]["budgets"]["kv_tokens"] == LEASE.kv_tokens
     with pytest.raises(ValueError, match="is the Crossflow plugin loaded"):
         wire.node_states_from_server_info({"internal_states": [{"max_running_requests": 8}]})
+    # the borrowed requests whose prefill has begun (the router commits their reservations then)
+    assert wire.started_borrowed_from_server_info({"internal_states": [state]}) == [], "b1 is queued"
+    for _ in range(200):
+        if _node(scheduler).started:
+            break
+        cluster.step()
+    state = scheduler.get_internal_state(sg.GetInternalStateReq()).internal_state
+    assert wire.started_borrowed_from_server_info({"internal_states": [state, state]}) == ["b1"]
+    assert wire.started_borrowed_from_server_info({"internal_states": [{}]}) == [], "an older plugin"
+    bad = {"internal_states": [{wire.INTERNAL_STATE_KEY: {wire.STARTED_BORROWED_KEY: [1]}}]}
+    with pytest.raises(ValueError, match=r"internal_states\[0\]\.crossflow\.started_borrowed"):
+        wire.started_borrowed_from_server_info(bad)
 
 
 def test_lease_metrics_on_the_workers_registry(installed: sg.HookRegistry) -> None:

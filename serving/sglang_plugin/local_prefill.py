@@ -49,7 +49,7 @@ from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.node_state import NodeState
 from serving.sglang_plugin.config import PluginConfig
-from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, unmark_routing_key
+from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, STARTED_BORROWED_KEY, unmark_routing_key
 
 logger = logging.getLogger("crossflow.sglang_plugin")
 
@@ -613,6 +613,7 @@ class LocalPrefill:
             "largest_step_beside_decode_tokens": self.largest_step_beside_decode_tokens,
             "queued": len(self.queue),
             "started": len(self.started),
+            STARTED_BORROWED_KEY: sorted(self.started),
             "disabled": self.disabled,
             "counters": dict(sorted(self.counters.items())),
         }

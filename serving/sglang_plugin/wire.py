@@ -18,8 +18,11 @@ Three things, all through SGLang 0.5.23's own HTTP server (no extra port, SGLang
   parallel ranks install the lease at the same iteration and keep deciding alike. All budgets zero
   revokes the lease.
 * **The node's state.** ``GET /server_info`` lists each data-parallel rank's internal state; the
-  plugin adds ``crossflow`` to it: the ``NodeState`` the lease agent feeds its policy, and the lease and
-  queue the plugin holds (:func:`node_states_from_server_info`).
+  plugin adds ``crossflow`` to it: the ``NodeState`` the lease agent feeds its policy, the lease and
+  queue the plugin holds (:func:`node_states_from_server_info`), and the request ids of the borrowed
+  requests whose prefill has begun there (:func:`started_borrowed_from_server_info`): the router
+  commits their reservations then, as the simulator commits one when the node starts it, so a
+  revocation cannot take back room the node is already spending.
 """
 
 from __future__ import annotations
@@ -201,6 +204,30 @@ def node_states_from_server_info(server_info: Mapping[str, Any]) -> list[NodeSta
     return out
 
 
+STARTED_BORROWED_KEY = "started_borrowed"
+"""The plugin's list (under ``crossflow``) of the borrowed request ids whose prefill has begun there."""
+
+
+def started_borrowed_from_server_info(server_info: Mapping[str, Any]) -> list[str]:
+    """The request ids of the borrowed requests whose prefill has begun on any data-parallel rank of a
+    worker running the plugin (sorted, no repeats); none from a rank that does not report them (a
+    plugin older than the key). ``ValueError`` when a rank reports something other than strings."""
+    states = server_info.get("internal_states")
+    out: set[str] = set()
+    for i, state in enumerate(states if isinstance(states, list) else ()):
+        plugin = state.get(INTERNAL_STATE_KEY) if isinstance(state, Mapping) else None
+        rids = plugin.get(STARTED_BORROWED_KEY) if isinstance(plugin, Mapping) else None
+        if rids is None:
+            continue
+        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
+            raise ValueError(
+                f"internal_states[{i}].{INTERNAL_STATE_KEY}.{STARTED_BORROWED_KEY} must be a list of "
+                "request ids"
+            )
+        out.update(rids)
+    return sorted(out)
+
+
 __all__ = [
     "INTERNAL_STATE_KEY",
     "LEASE_CHUNK_LIMITS_KEY",
@@ -209,6 +236,7 @@ __all__ = [
     "LEASE_TTL_KEY",
     "MARKER_FIELD",
     "ROUTING_KEY_MARK",
+    "STARTED_BORROWED_KEY",
     "LeaseUpdate",
     "is_lease_update",
     "lease_update_accepted",
@@ -217,6 +245,7 @@ __all__ = [
     "node_states_from_server_info",
     "parse_lease_update",
     "requests_local_prefill",
+    "started_borrowed_from_server_info",
     "takes_lease_updates",
     "unmark_routing_key",
 ]
