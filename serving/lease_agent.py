@@ -13,6 +13,10 @@ answer tells the agent the lease now held. The state comes from:
   report (context spread, remaining output, step times, borrowed work) is zero, so a policy sees an
   idle-looking node there; it is a degraded view, for workers without the plugin.
 
+With the plugin the report also names the borrowed requests whose prefill has begun on the worker
+(``started_borrowed``), so the router commits their reservations as the simulator does when a node
+starts one.
+
 An agent that stops (killed, or its worker unreachable) stops reporting; the router then leaves the
 node out of the next control intervals and its lease expires at its TTL.
 """
@@ -28,7 +32,11 @@ from typing import Any
 from policies.node_state import NodeState
 from serving.http import dumps, loads
 from serving.router import NODE_STATE_PATH
-from serving.sglang_plugin.wire import node_states_from_server_info, takes_lease_updates
+from serving.sglang_plugin.wire import (
+    node_states_from_server_info,
+    started_borrowed_from_server_info,
+    takes_lease_updates,
+)
 from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 _METRIC = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(?P<value>\S+)$")
@@ -98,6 +106,9 @@ class LeaseAgent:
         self.takes_leases = False
         """Whether the worker installs pushed leases (``wire.takes_lease_updates``; the router then
         pushes each lease it publishes for the node)."""
+        self.started_borrowed: list[str] = []
+        """The borrowed request ids whose prefill had begun on the worker at the last read (the router
+        commits their reservations: ``wire.started_borrowed_from_server_info``)."""
 
     @staticmethod
     async def _call(
@@ -110,14 +121,17 @@ class LeaseAgent:
         return data
 
     async def read_state(self, client: UpstreamClient) -> NodeState:
+        """The worker's ``NodeState`` now (``started_borrowed`` is set beside it, from the same read)."""
         info = loads(await self._call(client, "GET", self.worker_url + "/server_info"))
         self.takes_leases = isinstance(info, dict) and takes_lease_updates(info)
+        self.started_borrowed = []
         try:
             state = node_states_from_server_info(info)[0]
         except ValueError:
             load = loads(await self._call(client, "GET", self.worker_url + "/v1/loads"))
             metrics = (await self._call(client, "GET", self.worker_url + "/metrics")).decode()
             return node_state_from_loads(self.node_id, time.time(), load, metrics)
+        self.started_borrowed = started_borrowed_from_server_info(info)
         return state
 
     async def report_once(self, client: UpstreamClient) -> dict[str, Any]:
@@ -129,6 +143,7 @@ class LeaseAgent:
                 "node_id": self.node_id,
                 "node_state": state.to_dict(),
                 "takes_leases": self.takes_leases,
+                "started_borrowed": self.started_borrowed,
                 "state_age_s": time.perf_counter() - read_from,
             }
         )

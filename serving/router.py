@@ -399,6 +399,22 @@ class LegFailed(Exception):
         return self.transport or is_retryable(self.status)
 
 
+@dataclass(slots=True)
+class _BorrowedLeg:
+    """A borrowed request sent to a lending node, as the router's ledger follows it there."""
+
+    scheduler: Any
+    """The scheduler holding its reservation (the one it was made under, even after a reload)."""
+    reservation_id: int
+    sent_s: float
+    arrived: bool = False
+    """A report read after it was sent has come in (``on_task_arrival`` called)."""
+    committed: bool = False
+    """``on_task_started`` has been called: the node reported its prefill begun, or its first token came."""
+    held: bool = False
+    """That call committed the reservation (it had not been revoked nor let expire)."""
+
+
 @dataclass
 class _Flight:
     """One client request in flight (what the router's views count)."""
@@ -503,9 +519,8 @@ class Router:
         self._next_id = 0
         self._reports: dict[int, tuple[NodeState, float]] = {}
         """Per node, its last reported state and when (the scheduler's clock) the agent began reading it."""
-        self._unreported: dict[int, dict[tuple[int, int], tuple[Any, float]]] = {}
-        """Per node, borrowed requests sent there that no report has shown yet: (policy generation,
-        reservation id) -> (the scheduler holding it, when it was sent)."""
+        self._borrowed_legs: dict[int, dict[str, _BorrowedLeg]] = {}
+        """Per node, the borrowed requests sent there and not yet done, by the leg's request id."""
         self._lease_takers: set[int] = set()
         """Decode nodes whose agents say their worker installs pushed leases (``_push_leases``)."""
         self._pushed: dict[int, tuple[Any, ...]] = {}
@@ -882,8 +897,11 @@ class Router:
             if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < math.inf:
                 raise HttpError(400, "field 'state_age_s' must be a non-negative number of seconds")
             read_s = self.now_s() - age / self.config.time_scale
+            started = body.get("started_borrowed", [])
+            if not isinstance(started, list) or not all(isinstance(r, str) for r in started):
+                raise HttpError(400, "field 'started_borrowed' must be a list of request ids")
             self._reports[node] = (state, read_s)
-            self._note_reported_arrivals(node, state, read_s)
+            self._note_report(node, state, read_s, set(started))
             if len(self._reports) == len(self.decode):
                 self._all_reported.set()
             if body.get("takes_leases") is True:
@@ -1184,15 +1202,16 @@ class Router:
         leg_body = _leg_json(flight.common_json, fields)
         self._enter(flight, d, None)
         started = False
-        # it reaches the node now; the first report read after this shows it (_note_reported_arrivals)
-        self._unreported.setdefault(d.idx, {})[(flight.generation, res)] = (scheduler, self.now_s())
+        # it reaches the node now; the reports read after this show it (_note_report)
+        leg = _BorrowedLeg(scheduler, res, self.now_s())
+        self._borrowed_legs.setdefault(d.idx, {})[rid] = leg
 
         def first_token() -> None:
             nonlocal started
             started = True
-            now = self.now_s()
-            if scheduler.on_task_started(res, now):
-                self.m_borrowed_tokens.inc(d.idx, amount=float(scheduler.ledger.held_by(res).prefill_tokens))
+            if not leg.committed:  # no report has shown its prefill begun: its first token does
+                self._commit(leg, d.idx, self.now_s())
+            if leg.held:
                 scheduler.on_prefill_done(res)
 
         try:
@@ -1200,7 +1219,7 @@ class Router:
         finally:
             self._leave(flight, d)
             self._reservation_nodes.pop((flight.generation, res), None)
-            self._unreported.get(d.idx, {}).pop((flight.generation, res), None)
+            self._borrowed_legs.get(d.idx, {}).pop(rid, None)
             if not started:
                 flight.prefill = None  # the fallback picks its prefill worker again, as the simulator
             if started:
@@ -1210,17 +1229,33 @@ class Router:
             else:
                 scheduler.on_fallback(res)
 
-    def _note_reported_arrivals(self, node: int, state: NodeState, read_s: float) -> None:
-        """Tell the schedulers that the borrowed requests sent to ``node`` before its state was read
-        at ``read_s`` have arrived there (``on_task_arrival``): the node's next lease counts them as
-        work its state shows. Those sent later wait for the next report."""
-        waiting = self._unreported.get(node)
-        if not waiting:
+    def _note_report(self, node: int, state: NodeState, read_s: float, started: set[str]) -> None:
+        """Follow the borrowed requests sent to ``node`` through its state read at ``read_s``: those
+        sent before the read have arrived there (``on_task_arrival``: the node's next lease counts them
+        as work its state shows; those sent later wait for the next report), and those among
+        ``started`` (the node reports their prefill begun) commit their reservations
+        (``on_task_started``), as the simulator commits one the moment its node starts it. Without
+        that, a revocation before the first token would take back, in the router's ledger, room the
+        node goes on spending, and the next lease would promise it twice."""
+        legs = self._borrowed_legs.get(node)
+        if not legs:
             return
-        for key, (scheduler, sent_s) in list(waiting.items()):
-            if sent_s <= read_s:
-                del waiting[key]
-                scheduler.on_task_arrival(key[1], state, read_s)
+        for rid, leg in legs.items():
+            if leg.sent_s > read_s and rid not in started:
+                continue
+            if not leg.arrived:
+                leg.arrived = True
+                leg.scheduler.on_task_arrival(leg.reservation_id, state, read_s)
+            if rid in started and not leg.committed:
+                self._commit(leg, node, read_s)
+
+    def _commit(self, leg: _BorrowedLeg, node: int, now_s: float) -> None:
+        """Commit ``leg``'s reservation once (``on_task_started``); count its prefill if it held."""
+        leg.committed = True
+        leg.held = bool(leg.scheduler.on_task_started(leg.reservation_id, now_s))
+        if leg.held:
+            prefill = leg.scheduler.ledger.held_by(leg.reservation_id).prefill_tokens
+            self.m_borrowed_tokens.inc(node, amount=float(prefill))
 
     @staticmethod
     def _worker_fine(status: int, path: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from policies.path import PathDecision, PathQuery, PathReason  # noqa: E402
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster  # noqa: E402
 from serving.router import NODE_STATE_PATH, PageTrees, PrefillQueue  # noqa: E402
 from serving.stack import CrossflowStack  # noqa: E402
+from serving.upstream import UpstreamClient  # noqa: E402
 from tests.test_serving_pd import _events  # noqa: E402
 from train.experiment import build_scheduler  # noqa: E402
 
@@ -41,6 +43,7 @@ class BorrowMarked:
 
     control_interval_s = 0.5
     uses_gateway_decode_pick = False
+    borrow_tokens = BORROW_TOKENS
 
     def __init__(self) -> None:
         self.ledger = LeaseLedger()
@@ -51,7 +54,7 @@ class BorrowMarked:
         return []
 
     def choose_path(self, q: PathQuery, now_s: float) -> PathDecision:
-        if q.input_tokens != BORROW_TOKENS:
+        if q.input_tokens != self.borrow_tokens:
             return PathDecision("normal", None, None, 0.0, None, "test", PathReason.NOT_CONGESTED)
         demand = LeaseBudgets(q.input_tokens, q.input_tokens + q.expected_output_tokens, 0, 1, 1)
         res = self.ledger.reserve(0, demand, now_s)
@@ -960,3 +963,88 @@ def test_a_borrowed_request_counts_as_arrived_only_in_a_report_read_after_it_was
             for _ in lines:
                 pass
         assert report(0.0).status_code == 200 and len(arrivals) == 1, "a finished request is never told"
+
+
+def test_a_borrowed_request_the_node_reports_started_commits_before_its_first_token() -> None:
+    """The simulator commits a borrowed reservation the moment its node starts the prefill, so a
+    revocation at a later control interval leaves it be. The router learns of the start from the
+    node's report (``started_borrowed``: the request ids whose prefill has begun there, from the same
+    ``/server_info`` read as the state) and commits then, not at the first token; a revocation in
+    between would otherwise hand back, in its ledger, room the node goes on spending."""
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    scheduler = BorrowMarked()
+    scheduler.borrow_tokens = 4000
+    worker_side = build_scheduler("utilisation", config, cm)
+    with (
+        _stack(
+            config,
+            scale=8.0,
+            worker_scheduler=worker_side,
+            scheduler=scheduler,
+            estimator=ClusterEstimator(config, cm),
+        ) as (background, cluster, stack),
+        _client() as c,
+    ):
+        router = stack.router
+        for agent in stack.agents:
+            _on(background, agent.stop())  # the test posts the reports itself
+        auth = {"authorization": f"Bearer {router.control_token}"}
+        route = router.control_url + NODE_STATE_PATH
+        state = NodeState(0, 0.0, 0, 0.0, 0.0, 0.0, 10**6, 0, 0, 0, 0, 0, 0.0, 0.0, 8).to_dict()
+
+        def report(started: Any) -> Any:
+            body = {"node_id": 0, "node_state": state, "state_age_s": 0.0, "started_borrowed": started}
+            return c.post(route, json=body, headers=auth)
+
+        for bad in ("r1", [1], {"r": 1}):
+            answer = report(bad)
+            assert answer.status_code == 400 and "started_borrowed" in answer.json()["error"]["message"]
+        first_token_s: list[float] = []
+        body = {
+            "input_ids": list(range(100, 4100)),
+            "sampling_params": {"max_new_tokens": 40},
+            "stream": True,
+        }
+
+        def client() -> None:
+            with (
+                httpx.Client(trust_env=False, timeout=60.0) as c2,
+                c2.stream("POST", f"{router.url}/generate", json=body) as resp,
+            ):
+                for line in resp.iter_lines():
+                    if line.startswith("data:") and not first_token_s:
+                        first_token_s.append(time.perf_counter())
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        try:
+            info_url = cluster.decode_urls[0] + "/server_info"
+            deadline = time.perf_counter() + 30.0
+            started: list[str] = []
+            while not started and time.perf_counter() < deadline:
+                started = c.get(info_url).json()["internal_states"][0]["crossflow"]["started_borrowed"]
+                time.sleep(0.02)
+            assert started, "the node never reported the borrowed prefill begun"
+
+            async def agent_read() -> list[str]:  # what the lease agent would post
+                upstream = UpstreamClient(timeout_s=5.0)
+                try:
+                    await stack.agents[0].read_state(upstream)
+                finally:
+                    await upstream.aclose()
+                return stack.agents[0].started_borrowed
+
+            assert _on(background, agent_read()) == started
+            (res,) = scheduler.ledger.active_ids(0)
+            assert scheduler.ledger.status(res) == "reserved" and scheduler.calls == []
+            assert report([]).status_code == 200 and scheduler.ledger.status(res) == "reserved"
+            assert report(started).status_code == 200
+            assert not first_token_s, "the prefill ended before the test could report it begun"
+            assert scheduler.ledger.status(res) == "committed" and scheduler.calls == ["started"]
+            assert scheduler.ledger.revoke(0, router.now_s()) == [], "a started reservation is not revoked"
+            assert report(started).status_code == 200 and scheduler.calls == ["started"], "committed once"
+        finally:
+            thread.join(timeout=60)
+        assert first_token_s and scheduler.calls == ["started", "prefill_done", "finished"]
+        assert scheduler.ledger.active_ids(0) == []
