@@ -104,7 +104,12 @@ from serving.resilience import (
     RetryConfig,
     is_retryable,
 )
-from serving.sglang_plugin.wire import MARKER_FIELD, lease_update_accepted, lease_update_body
+from serving.sglang_plugin.wire import (
+    MARKER_FIELD,
+    is_request_id_list,
+    lease_update_accepted,
+    lease_update_body,
+)
 from serving.upstream import JSON_HEADERS, UpstreamClient, UpstreamError
 
 if TYPE_CHECKING:
@@ -898,7 +903,7 @@ class Router:
                 raise HttpError(400, "field 'state_age_s' must be a non-negative number of seconds")
             read_s = self.now_s() - age / self.config.time_scale
             started = body.get("started_borrowed", [])
-            if not isinstance(started, list) or not all(isinstance(r, str) for r in started):
+            if not is_request_id_list(started):
                 raise HttpError(400, "field 'started_borrowed' must be a list of request ids")
             self._reports[node] = (state, read_s)
             self._note_report(node, state, read_s, set(started))

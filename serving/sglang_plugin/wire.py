@@ -208,6 +208,12 @@ STARTED_BORROWED_KEY = "started_borrowed"
 """The plugin's list (under ``crossflow``) of the borrowed request ids whose prefill has begun there."""
 
 
+def is_request_id_list(value: object) -> bool:
+    """Whether ``value`` is a list of request ids (strings), as ``started_borrowed`` must be wherever
+    it travels: from the node to its lease agent, and from the agent to the router."""
+    return isinstance(value, list) and all(isinstance(r, str) for r in value)
+
+
 def started_borrowed_from_server_info(server_info: Mapping[str, Any]) -> list[str]:
     """The request ids of the borrowed requests whose prefill has begun on any data-parallel rank of a
     worker running the plugin (sorted, no repeats); none from a rank that does not report them (a
@@ -219,7 +225,7 @@ def started_borrowed_from_server_info(server_info: Mapping[str, Any]) -> list[st
         rids = plugin.get(STARTED_BORROWED_KEY) if isinstance(plugin, Mapping) else None
         if rids is None:
             continue
-        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
+        if not is_request_id_list(rids):
             raise ValueError(
                 f"internal_states[{i}].{INTERNAL_STATE_KEY}.{STARTED_BORROWED_KEY} must be a list of "
                 "request ids"
@@ -239,6 +245,7 @@ __all__ = [
     "STARTED_BORROWED_KEY",
     "LeaseUpdate",
     "is_lease_update",
+    "is_request_id_list",
     "lease_update_accepted",
     "lease_update_body",
     "mark_routing_key",
