@@ -53,7 +53,15 @@ from serving.node_leases import WireLeases
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
 from serving.replay import ReplayConfig, replay
 from serving.stack import CrossflowStack
-from train.experiment import Point, build_scheduler, prepare_trace, simulate_at_phase
+from train.experiment import (
+    PHASE_STEP_S,
+    PHASE_STEPS,
+    Point,
+    build_scheduler,
+    phase_neighbourhood,
+    prepare_trace,
+    simulate_at_phase,
+)
 
 
 def _on(background: BackgroundCluster, coro: Any) -> Any:
@@ -236,6 +244,7 @@ def agree(args: argparse.Namespace) -> None:
         decisions = dict(router.m_decisions.values)
         fallbacks = sum(router.m_fallbacks.values.values())
         stuck = _stuck_report(live)
+        phase_s = router.control_phase_s()
         _on(background, stack.stop())
     m = result.metrics
     share = completed.get("borrow", 0.0) / max(1.0, sum(completed.values()))
@@ -268,14 +277,9 @@ def agree(args: argparse.Namespace) -> None:
     if args.decisions_out:
         for line in _write_decisions(args.decisions_out, trace, sim_log, router_log):
             print(line)
-    if args.sim_phases > 0 and not trace.closed_loop:
-        router_row = (
-            float(m["input_tokens_per_s"]),
-            float(m["ttft_mean_s"]),
-            float(m["itl_mean_s"]) * 1e3,
-            share,
-        )
-        for line in _phase_spread(point, trace, args.sim_phases, router_row):
+    router_row = (float(m["input_tokens_per_s"]), float(m["ttft_mean_s"]), float(m["itl_mean_s"]) * 1e3)
+    if not trace.closed_loop:
+        for line in _references(point, trace, phase_s, args.sim_phases, (*router_row, share)):
             print(line)
     for line in stuck:
         print(line)
@@ -286,14 +290,15 @@ AGREEMENT_AIMS = (0.10, 0.20, 0.10, 0.05)
 within these fractions, the borrowed share within this many points (as a fraction)."""
 
 
-def _phase_spread(point: Point, trace: Trace, n: int, router: tuple[float, float, float, float]) -> list[str]:
-    """The simulator at ``n`` phases of its control grid against the arrivals (``simulate_point``'s
-    ``delay_s`` at k / n of an interval, k = 0 .. n - 1): each figure's range and median, and the
-    router's difference from the median."""
-    interval_s = point.cluster().control_interval_s
-    runs = [simulate_point(point, trace, delay_s=k / n * interval_s)[0] for k in range(n)]
+def _spread(
+    point: Point, trace: Trace, delays: list[float], heading: str, router: tuple[float, ...]
+) -> list[str]:
+    """The simulator with its control grid ``delays`` seconds ahead of the arrivals (leases out from
+    the start): each figure's range and median, and the router's difference from the median against
+    the aims."""
+    runs = [simulate_point(point, trace, delay_s=d)[0] for d in delays]
     a = np.array([_metrics_row(r.metrics) for r in runs])
-    lines = [f"simulate at {n} phases of the control grid (leases out from the start):"]
+    lines = [heading]
     lines.append(f"{'':24}{'min':>10}{'median':>10}{'max':>10}{'router':>10}{'diff':>10}  aim")
     names = ("input tokens/s", "mean TTFT (s)", "mean ITL (ms)", "borrowed share")
     for i, name in enumerate(names):
@@ -303,7 +308,27 @@ def _phase_spread(point: Point, trace: Trace, n: int, router: tuple[float, float
         aim = AGREEMENT_AIMS[i]
         verdict = f"{'met' if abs(gap) <= aim + 1e-9 else 'MISSED'} ({aim * 100:g}{'pt' if i == 3 else ' %'})"
         lines.append(f"{name:<24}{lo:>10.4g}{med:>10.4g}{hi:>10.4g}{router[i]:>10.4g}{diff}  {verdict}")
-    lines.append("borrowed shares by phase: " + " ".join(f"{x:.3f}" for x in a[:, 3]))
+    by_delay = " ".join(f"{d:.3f}s {x:.3f}" for d, x in zip(delays, a[:, 3], strict=True))
+    lines.append(f"borrowed shares by delay: {by_delay}")
+    return lines
+
+
+def _references(
+    point: Point, trace: Trace, phase_s: float | None, n_phases: int, router: tuple[float, ...]
+) -> list[str]:
+    """The router's figures against the simulator at the router's own phase (and its neighbourhood),
+    then, with ``n_phases``, at that many phases spread over the control interval."""
+    interval_s = point.cluster().control_interval_s
+    lines: list[str] = []
+    if phase_s is not None:
+        heading = (
+            f"simulate at the router's phase (its first request {phase_s:.4f} s after its first control "
+            f"interval) and {PHASE_STEPS} steps of {PHASE_STEP_S:g} s either side:"
+        )
+        lines += _spread(point, trace, phase_neighbourhood(phase_s, interval_s), heading, router)
+    if n_phases > 0:
+        heading = f"simulate at {n_phases} phases of the control grid (leases out from the start):"
+        lines += _spread(point, trace, [k / n_phases * interval_s for k in range(n_phases)], heading, router)
     return lines
 
 

@@ -17,6 +17,13 @@ With the plugin the report also names the borrowed requests whose prefill has be
 (``started_borrowed``), so the router commits their reservations as the simulator does when a node
 starts one.
 
+Besides reporting every ``interval_s``, an agent reads once more just before each of the router's
+control intervals: the answer to each report says how far ahead the next one is
+(``next_control_in_s``), and the agent sleeps until its read will land that far ahead less its own
+last report's round trip, twice over (``TICK_LEAD_ROUND_TRIPS``). So the state a control interval
+runs on is a few milliseconds old, as the simulator's ticks read the node's state at the tick, not up
+to a report interval old.
+
 An agent that stops (killed, or its worker unreachable) stops reporting; the router then leaves the
 node out of the next control intervals and its lease expires at its TTL.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import time
 from typing import Any
@@ -82,6 +90,28 @@ def node_state_from_loads(node_id: int, time_s: float, loads: dict[str, Any], me
         decode_only_step_time_s=0.0,
         max_running_requests=max_running,
     )
+
+
+MIN_REPORT_INTERVAL_WALL_S = 0.01
+"""Agents read no more often than this (wall seconds), aligned reads included: against nearly
+instant emulated workers (a tiny time scale) a quarter of a control interval is well under a
+millisecond, and the agents' reads would take the router's loop from the requests it serves."""
+TICK_LEAD_ROUND_TRIPS = 2.0
+"""An aligned read starts this many of the agent's last report round trips ahead of the control
+interval it is for (plus ``TICK_LEAD_MIN_S``), so that it lands before it."""
+TICK_LEAD_MIN_S = 0.001
+
+
+def next_read_in_s(interval_s: float, answer: dict[str, Any], round_trip_s: float) -> float:
+    """Wall seconds until an agent's next read: ``interval_s``, or sooner when the router's next
+    control interval (``next_control_in_s`` in its ``answer``) comes before the read after that could
+    land ahead of it; then the read starts so that it lands just before the interval (never sooner
+    than ``MIN_REPORT_INTERVAL_WALL_S``: then the read just made is the one the interval runs on)."""
+    due = answer.get("next_control_in_s")
+    if isinstance(due, bool) or not isinstance(due, int | float) or not math.isfinite(due):
+        return interval_s
+    ahead = due - (TICK_LEAD_ROUND_TRIPS * max(0.0, round_trip_s) + TICK_LEAD_MIN_S)
+    return ahead if MIN_REPORT_INTERVAL_WALL_S <= ahead < interval_s else interval_s
 
 
 class LeaseAgent:
@@ -159,12 +189,15 @@ class LeaseAgent:
         client = UpstreamClient(timeout_s=5.0)
         try:
             while True:
+                started = time.perf_counter()
+                sleep_s = self.interval_s
                 try:
-                    await self.report_once(client)
+                    answer = await self.report_once(client)
+                    sleep_s = next_read_in_s(self.interval_s, answer, time.perf_counter() - started)
                 except (UpstreamError, ValueError, TypeError) as exc:
                     self.errors += 1
                     self.last_error = f"{type(exc).__name__}: {exc}"
-                await asyncio.sleep(self.interval_s)
+                await asyncio.sleep(sleep_s)
         finally:
             await client.aclose()
 
@@ -179,4 +212,4 @@ class LeaseAgent:
             self._task = None
 
 
-__all__ = ["LeaseAgent", "node_state_from_loads"]
+__all__ = ["MIN_REPORT_INTERVAL_WALL_S", "LeaseAgent", "next_read_in_s", "node_state_from_loads"]

@@ -539,6 +539,13 @@ class Router:
         """Set once every decode node's agent has reported (the first control interval runs then)."""
         self._leases_out = asyncio.Event()
         """Set once a control interval ran on every decode node's state (``wait_leases_out``)."""
+        self.first_control_s: float | None = None
+        """When (the scheduler's clock) the first control interval ran: the origin of the control grid."""
+        self.first_request_s: float | None = None
+        """When (the scheduler's clock) the first well-formed generation request came in."""
+        self._next_control_wall_s: float | None = None
+        """When (``time.perf_counter``) the next control interval is due; None without a control loop.
+        Each report's answer tells the agent how far ahead that is (``next_control_in_s``)."""
         self.http = HttpServer(self._route, config.host, config.port, keep_alive=True)
         self.control = HttpServer(
             self._control_route, config.control_host, config.control_port, keep_alive=True
@@ -582,6 +589,7 @@ class Router:
 
     async def _stop_control_loop(self) -> None:
         task, self._control_task = self._control_task, None
+        self._next_control_wall_s = None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -778,8 +786,11 @@ class Router:
             late_s = time.perf_counter() - due_s
             if late_s > wall_interval_s:
                 due_s += wall_interval_s * math.floor(late_s / wall_interval_s)
+            self._next_control_wall_s = due_s
             await asyncio.sleep(max(0.0, due_s - time.perf_counter()))
             now = self.now_s()
+            if self.first_control_s is None:
+                self.first_control_s = now
             fresh = [
                 replace(state, time_s=now)
                 for state, at_s in self._reports.values()
@@ -792,6 +803,15 @@ class Router:
             self._push_leases(scheduler, now, generation)
             if len(fresh) == len(self.decode):
                 self._leases_out.set()
+
+    def control_phase_s(self) -> float | None:
+        """Where the first request fell on the control grid: its arrival after the latest control
+        interval before it (the scheduler's clock; 0 up to one interval). A replay's arrivals keep
+        that phase against the router's ticks, so it is the phase to simulate the same run at
+        (``train.experiment.simulate_at_phase``). None before the first interval or request."""
+        if self.first_control_s is None or self.first_request_s is None or self.scheduler is None:
+            return None
+        return (self.first_request_s - self.first_control_s) % self.scheduler.control_interval_s
 
     async def wait_leases_out(self, timeout_s: float) -> bool:
         """Wait, at most ``timeout_s`` wall seconds, until a control interval has run on every decode
@@ -878,6 +898,44 @@ class Router:
             self._start_push(j, LeaseBudgets.zero(), 1.0, (self.policy_generation, "revoked"))
 
     # ---------------------------------------------------------------- control plane
+    def _node_report(self, body: Any) -> dict[str, Any]:
+        """A lease agent's report (``NODE_STATE_PATH``): check it (``HttpError`` 400 naming the field),
+        keep the state for the next control interval, and answer with the node's lease now and how
+        far ahead (wall seconds) the next control interval is."""
+        node = body.get("node_id") if isinstance(body, dict) else None
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self.decode):
+            raise HttpError(400, f"field 'node_id' must be a decode worker index 0..{len(self.decode) - 1}")
+        raw = body.get("node_state")
+        try:
+            state = NodeState(**{**raw, "node_id": node}) if isinstance(raw, dict) else None
+        except TypeError as exc:
+            raise HttpError(400, f"field 'node_state': {exc}") from None
+        if state is None:
+            raise HttpError(400, "field 'node_state' must be an object")
+        age = body.get("state_age_s", 0.0)
+        if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < math.inf:
+            raise HttpError(400, "field 'state_age_s' must be a non-negative number of seconds")
+        read_s = self.now_s() - age / self.config.time_scale
+        started = body.get("started_borrowed", [])
+        if not is_request_id_list(started):
+            raise HttpError(400, "field 'started_borrowed' must be a list of request ids")
+        self._reports[node] = (state, read_s)
+        self._note_report(node, state, read_s, set(started))
+        if len(self._reports) == len(self.decode):
+            self._all_reported.set()
+        if body.get("takes_leases") is True:
+            self._lease_takers.add(node)
+        else:
+            self._lease_takers.discard(node)
+        self.m_reports.inc(node)
+        lease = self.scheduler.ledger.lease(node) if self.scheduler is not None else None
+        answer: dict[str, Any] = {
+            "lease": None if lease is None else {**lease.budgets.to_dict(), "expires_s": lease.expires_s}
+        }
+        if self._next_control_wall_s is not None:
+            answer["next_control_in_s"] = max(0.0, self._next_control_wall_s - time.perf_counter())
+        return answer
+
     async def _control_route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> None:
         if request.headers.get("authorization") != f"Bearer {self.control_token}":
             await send_json(
@@ -885,40 +943,7 @@ class Router:
             )
             return
         if request.method == "POST" and request.path == NODE_STATE_PATH:
-            body = request.json()
-            node = body.get("node_id") if isinstance(body, dict) else None
-            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self.decode):
-                raise HttpError(
-                    400, f"field 'node_id' must be a decode worker index 0..{len(self.decode) - 1}"
-                )
-            raw = body.get("node_state")
-            try:
-                state = NodeState(**{**raw, "node_id": node}) if isinstance(raw, dict) else None
-            except TypeError as exc:
-                raise HttpError(400, f"field 'node_state': {exc}") from None
-            if state is None:
-                raise HttpError(400, "field 'node_state' must be an object")
-            age = body.get("state_age_s", 0.0)
-            if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < math.inf:
-                raise HttpError(400, "field 'state_age_s' must be a non-negative number of seconds")
-            read_s = self.now_s() - age / self.config.time_scale
-            started = body.get("started_borrowed", [])
-            if not is_request_id_list(started):
-                raise HttpError(400, "field 'started_borrowed' must be a list of request ids")
-            self._reports[node] = (state, read_s)
-            self._note_report(node, state, read_s, set(started))
-            if len(self._reports) == len(self.decode):
-                self._all_reported.set()
-            if body.get("takes_leases") is True:
-                self._lease_takers.add(node)
-            else:
-                self._lease_takers.discard(node)
-            self.m_reports.inc(node)
-            lease = self.scheduler.ledger.lease(node) if self.scheduler is not None else None
-            answer = {
-                "lease": None if lease is None else {**lease.budgets.to_dict(), "expires_s": lease.expires_s}
-            }
-            await send_json(writer, 200, answer)
+            await send_json(writer, 200, self._node_report(request.json()))
             return
         if request.path == POLICY_PATH and request.method == "GET":
             await send_json(writer, 200, {"policy": self.policy.to_dict()})
@@ -1003,6 +1028,8 @@ class Router:
             self.m_requests.inc(api, exc.status)
             await send_json(writer, exc.status, {"error": {"message": exc.message, "code": exc.status}})
             return
+        if self.first_request_s is None:
+            self.first_request_s = self.now_s()
         self._next_id += 1
         common = {k: v for k, v in body.items() if k not in _LEG_FIELDS}
         flight = _Flight(self._next_id, gen, self._hasher.page_hashes(gen.token_ids), dumps(common))

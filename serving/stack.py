@@ -20,7 +20,7 @@ from typing import Any
 
 from envs.cluster_config import ClusterConfig
 from policies.routing import OverloadProtection
-from serving.lease_agent import LeaseAgent
+from serving.lease_agent import MIN_REPORT_INTERVAL_WALL_S, LeaseAgent
 from serving.pd_cluster import EmulatedCluster
 from serving.router import PolicyInfo, PolicyLoader, QueueEstimator, Router, RouterConfig, SchedulerLike
 
@@ -59,12 +59,9 @@ def router_config(cluster: EmulatedCluster, **fields: Any) -> RouterConfig:
 
 
 REPORTS_PER_INTERVAL = 4
-"""Lease agents report this many times per control interval, so the state the router's scheduler
-reads at its interval is at most a quarter of one old."""
-MIN_REPORT_INTERVAL_WALL_S = 0.01
-"""Nor more often than this (wall seconds): against nearly instant emulated workers (a tiny time
-scale) a quarter interval is well under a millisecond, and the agents' reads would take the router's
-loop from the requests it serves."""
+"""Lease agents report this many times per control interval (and read once more just before each of
+the router's intervals, ``lease_agent.next_read_in_s``, so the state an interval runs on is a few
+milliseconds old)."""
 
 
 LEASES_OUT_TIMEOUT_S = 5.0

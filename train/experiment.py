@@ -285,6 +285,28 @@ def run_point(
     )
 
 
+PHASE_STEP_S = 0.005
+"""Steps (emulated seconds) of the neighbourhood a replay through the router is simulated at, around
+its measured phase (``phase_neighbourhood``): from run to run the router's first request fell 0.014
+to 0.024 s after its first control interval (60 requests, time scale 6), so two steps either side
+span that jitter."""
+PHASE_STEPS = 2
+
+
+def phase_neighbourhood(
+    phase_s: float, interval_s: float, step_s: float = PHASE_STEP_S, steps: int = PHASE_STEPS
+) -> list[float]:
+    """The delays (``simulate_at_phase``'s ``delay_s``) to simulate a replay at: its measured phase
+    (the router's ``control_phase_s``) and ``steps`` steps of ``step_s`` either side, each folded
+    into one control interval."""
+    if not interval_s > 0 or step_s < 0 or steps < 0:
+        raise ValueError(
+            "phase_neighbourhood: need interval_s > 0, step_s >= 0, steps >= 0; "
+            f"got {interval_s}, {step_s}, {steps}"
+        )
+    return [(phase_s + k * step_s) % interval_s for k in range(-steps, steps + 1)]
+
+
 def simulate_at_phase(point: Point, trace: Trace, scheduler: Any, delay_s: float | None) -> SimResult:
     """``point`` on ``trace`` with ``scheduler`` at the seed and load ``run_point`` uses. With
     ``delay_s``, the control plane runs from time 0, before the first request (as a router's does),
@@ -319,6 +341,7 @@ __all__ = [
     "build_scheduler",
     "cap_think_time",
     "head",
+    "phase_neighbourhood",
     "prepare_trace",
     "run_point",
     "sample_sessions",
