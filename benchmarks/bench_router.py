@@ -8,12 +8,15 @@ nodes install the leases the router pushes (``--node-leases wire``, as ``crossfl
 crossflow`` runs them) or run the policy themselves (``local``).
 
 The simulator's own answer moves with the phase of its control ticks against the arrivals (each
-interval's leases and the mixed-share and ITL-guard rules compound from request to request), so
-``--sim-phases K`` also simulates the point with the control grid shifted by each of K fractions of
-an interval (leases out before the first request, as the router's are) and prints the spread the
-router's figures are to be read against. ``--decisions-out FILE`` writes, per request, both sides'
-path decision and the inputs behind it (queue wait, normal and borrow estimates, each node's
-mixed-iteration share, the late share) as JSON lines, and a per-reason table is printed.
+interval's leases and the mixed-share and ITL-guard rules compound from request to request). The
+router measures where its first request fell on its control grid (``Router.control_phase_s``), and
+the point is simulated there and at two steps of 5 ms either side
+(``train.experiment.phase_neighbourhood``; leases out before the first request, as the router's
+are): each aim is printed against that neighbourhood's median. ``--sim-phases K`` also simulates it
+with the grid shifted by each of K fractions of an interval and prints that wider spread.
+``--decisions-out FILE`` writes, per request, both sides' path decision and the inputs behind it
+(queue wait, normal and borrow estimates, each node's mixed-iteration share, the late share) as JSON
+lines, and a per-reason table is printed.
 
 ``overhead``: an emulated 1P1D cluster whose iterations take ``--iteration-us`` wall microseconds
 (``--time-scale`` tiny: workers are nearly instant, so the gateway is what is measured). Sequential
