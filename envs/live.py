@@ -47,6 +47,7 @@ from envs.simulator import SchedulerHooks, Simulator
 from envs.trace_formats import _prefix_fields, _PrefixIndex
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
+from policies.node_policies import DecodePressureRule
 from policies.node_state import NodeState
 
 LAG_LIMIT_SHARE = 0.05
@@ -366,9 +367,11 @@ class LiveCluster:
         ttl_s: float,
         *,
         chunk_limits: ChunkLimits | None = None,
+        pressure_rule: DecodePressureRule | None = None,
     ) -> list[int]:
         """Install a lease sent to ``decode_worker`` over the wire (its ``/set_internal_state``), with
-        its per-iteration cap on borrowed prefill (``chunk_limits``), on a scheduler that takes them
+        its per-iteration cap on borrowed prefill (``chunk_limits``) and the test that holds un-started
+        borrowed requests back (``pressure_rule``), on a scheduler that takes them
         (``serving.node_leases.WireLeases``); the node's token bucket follows at once. Returns the
         reservations it revoked. ``ValueError`` when the nodes' leases come from an in-process node
         policy."""
@@ -378,7 +381,7 @@ class LiveCluster:
         now = self.sim.now_s
         scheduler: Any = self.sim.scheduler
         revoked: list[int] = scheduler.install_lease(
-            decode_worker, budgets, ttl_s, now, chunk_limits=chunk_limits
+            decode_worker, budgets, ttl_s, now, chunk_limits=chunk_limits, pressure_rule=pressure_rule
         )
         rate, expires_s = scheduler.lease_rate(decode_worker)
         self.sim.decode[decode_worker].bucket.set_lease(now, rate, expires_s)

@@ -32,6 +32,8 @@ from enum import Enum
 from policies.chunk_limits import ChunkLimits, capped_chunk_tokens
 from policies.lease import BUDGET_FIELDS, Lease, LeaseBudgets
 from policies.ledger import LeaseLedger
+from policies.node_policies import DecodePressureRule
+from policies.node_state import NodeState
 from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
 _CREDIT_TOLERANCE = 1e-6
@@ -251,6 +253,9 @@ class LocalPrefillAdmission:
     chunk_limits: ChunkLimits | None = field(default=None, init=False)
     """The per-iteration cap the lease's policy set (``install_lease``); ``None``: the bucket alone
     paces borrowed prefill."""
+    pressure_rule: DecodePressureRule | None = field(default=None, init=False)
+    """The lease's policy's decode-pressure test (``install_lease``): an un-started borrowed request
+    waits while it holds (``start_paused``); ``None``: none sent, requests start when they fit."""
 
     def __post_init__(self) -> None:
         self.bucket = LeaseTokenBucket(burst_s=self.burst_s)
@@ -263,11 +268,14 @@ class LocalPrefillAdmission:
         now_s: float,
         *,
         chunk_limits: ChunkLimits | None = None,
+        pressure_rule: DecodePressureRule | None = None,
     ) -> list[int]:
-        """Make ``budgets`` the node's lease for ``[now_s, now_s + ttl_s)``, and ``chunk_limits`` the
-        cap on each borrowed iteration (``None``: none); returns the un-started reservations revoked
-        because they no longer fit (in id order)."""
+        """Make ``budgets`` the node's lease for ``[now_s, now_s + ttl_s)``, ``chunk_limits`` the cap
+        on each borrowed iteration and ``pressure_rule`` the test that holds un-started borrowed
+        requests back (``None``: none); returns the un-started reservations revoked because they no
+        longer fit (in id order)."""
         self.chunk_limits = chunk_limits
+        self.pressure_rule = pressure_rule
         before = set(self.ledger.pending_ids(self.node_id))
         lease = self.ledger.publish(self.node_id, budgets, now_s, ttl_s)
         self.bucket.set_lease(now_s, budgets.prefill_tokens / ttl_s, lease.expires_s)
@@ -275,11 +283,17 @@ class LocalPrefillAdmission:
 
     def revoke(self, now_s: float) -> list[int]:
         """Shrink the lease to zero now (decode pressure); returns the un-started reservations revoked.
-        The chunk limits stay: started work keeps the cap it had."""
+        The chunk limits and the pressure rule stay: started work keeps the cap it had."""
         revoked = self.ledger.revoke(self.node_id, now_s)
         lease = self.ledger.lease(self.node_id)
         self.bucket.set_lease(now_s, 0.0, now_s if lease is None else lease.expires_s)
         return revoked
+
+    def start_paused(self, state: NodeState) -> str | None:
+        """Why an un-started borrowed request must wait now (the lease's ``pressure_rule`` on the
+        node's ``state``: decode needs the node), or ``None``: it may start. The in-process node's
+        ``pause`` verdict; the request is asked again later, and a revocation ends the wait."""
+        return None if self.pressure_rule is None else self.pressure_rule.reason(state)
 
     def lease(self) -> Lease | None:
         """The node's current lease (possibly expired or zero), ``None`` before the first."""

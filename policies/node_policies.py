@@ -218,6 +218,12 @@ class HeuristicPolicy:
             discount_prealloc_kv=self.discount_prealloc_kv,
         )
 
+    def pressure_rule(self) -> DecodePressureRule:
+        """``decode_pressure`` as data, for a node that holds no policy (it travels with the lease)."""
+        return DecodePressureRule(
+            self.itl_target_s, self.kv_high_watermark, self.batch_high_fraction, self.discount_prealloc_kv
+        )
+
     def borrowed_chunk_tokens(self, decode_batch: int, decode_context_tokens: int) -> int | None:
         """Borrowed prefill tokens one iteration of the node may take with a running batch of
         ``decode_batch`` requests (``decode_context_tokens`` of KV in all): the largest chunk whose mixed
@@ -286,6 +292,72 @@ def decode_pressure_reason(
     if state.recent_step_time_s > itl_target_s:
         return f"recent step {state.recent_step_time_s:.4f} s above ITL target {itl_target_s} s"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePressureRule:
+    """A node policy's decode-pressure test (``decode_pressure_reason``) as data: what a node that
+    holds no policy (the SGLang plugin, a wire-fed emulated node) is sent with its lease, so that it
+    holds back a borrowed request that arrives under decode pressure, as the in-process node does
+    (``ClusterScheduler.on_task_arrival``'s ``pause``), instead of starting it."""
+
+    itl_target_s: float
+    kv_high_watermark: float
+    batch_high_fraction: float
+    discount_prealloc_kv: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive("DecodePressureRule", itl_target_s=self.itl_target_s)
+        _check_fraction(
+            "DecodePressureRule",
+            kv_high_watermark=self.kv_high_watermark,
+            batch_high_fraction=self.batch_high_fraction,
+        )
+
+    def reason(self, state: NodeState) -> str | None:
+        """Why decode needs the node now (``decode_pressure_reason``), or ``None``."""
+        return decode_pressure_reason(
+            state,
+            itl_target_s=self.itl_target_s,
+            kv_high_watermark=self.kv_high_watermark,
+            batch_high_fraction=self.batch_high_fraction,
+            discount_prealloc_kv=self.discount_prealloc_kv,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "itl_target_s": self.itl_target_s,
+            "kv_high_watermark": self.kv_high_watermark,
+            "batch_high_fraction": self.batch_high_fraction,
+            "discount_prealloc_kv": self.discount_prealloc_kv,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "decode pressure rule") -> DecodePressureRule:
+        """The rule in ``data`` (``to_dict``'s shape); ``ValueError`` naming ``source`` and the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: must be an object, got {type(data).__name__}")
+        fields = ("itl_target_s", "kv_high_watermark", "batch_high_fraction", "discount_prealloc_kv")
+        extra = sorted(set(data) - set(fields))
+        missing = [k for k in fields[:3] if k not in data]
+        if extra or missing:
+            raise ValueError(f"{source}: unknown field(s) {extra}, missing field(s) {missing}")
+        for k in fields[:3]:
+            value = data[k]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{source}: field {k!r} must be a finite number, got {value!r}")
+        flag = data.get("discount_prealloc_kv", False)
+        if not isinstance(flag, bool):
+            raise ValueError(f"{source}: field 'discount_prealloc_kv' must be true or false, got {flag!r}")
+        try:
+            return cls(
+                float(data["itl_target_s"]),
+                float(data["kv_high_watermark"]),
+                float(data["batch_high_fraction"]),
+                flag,
+            )
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
 
 
 CHUNK_GRANULARITY_TOKENS = 64

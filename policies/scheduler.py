@@ -35,7 +35,7 @@ from policies.chunk_limits import ChunkLimits
 from policies.context import CostEstimator
 from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
-from policies.node_policies import NodePolicy
+from policies.node_policies import DecodePressureRule, NodePolicy
 from policies.node_state import NodeState
 from policies.path import PathDecision, PathPolicy, PathQuery, observes_only_states
 from policies.slo import DEFAULT_CONTROL_INTERVAL_S
@@ -430,6 +430,14 @@ class ClusterScheduler:
             if key not in self._chunk_limits:
                 self._chunk_limits[key] = ChunkLimits.build(chunk_fn, key[1], key[2])
             return self._chunk_limits[key]
+
+    def pressure_rule(self, node_id: int) -> DecodePressureRule | None:
+        """The node policy's decode-pressure test as data, for a node that holds no policy (it pauses
+        a borrowed request that arrives under pressure, as ``on_task_arrival`` does here); ``None``
+        when the policy has no such rule (then a zero proposal is its pressure, which reaches the
+        node as a revocation)."""
+        rule_fn = getattr(self.policy_for(node_id), "pressure_rule", None)
+        return rule_fn() if callable(rule_fn) else None
 
     def local_chunk_tokens(self, node_id: int) -> int:
         """Prefill tokens of unleased (``local``) requests one iteration of ``node_id`` may mix in."""

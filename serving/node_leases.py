@@ -13,15 +13,17 @@ reload on its control plane, the node admits against the lease it was last sent,
 plugin does. What a node policy decides on the node in the in-process simulator reaches a wire-fed
 node through its lease: the cap on each iteration's borrowed chunk from its ITL budget as the lease's
 ``ChunkLimits`` (the policy's answer tabulated by running batch, looked up before every borrowed
-iteration), decode pressure as a zero lease at the router's next control interval (the in-process
-pause on arrival has no wire counterpart).
+iteration), its decode-pressure test as the lease's ``DecodePressureRule`` (a borrowed request that
+has not started waits while it holds, the in-process node's ``pause``), and decode pressure at a
+control interval as a zero lease.
 
 Hooks the simulator calls (``envs.simulator.SchedulerHooks``):
 
 * ``on_control_interval``: no policy runs; returns the reservations revoked by leases installed since
   the last interval, those whose lease expired, and the started ones on a node whose lease expired
   (the plugin aborts those before their first token), which the simulator falls back;
-* ``on_task_arrival``: ``run`` while the reservation is spendable, else ``fallback``;
+* ``on_task_arrival``: ``fallback`` once the reservation is not spendable, ``pause`` while the
+  lease's pressure rule holds on the node's state, else ``run``;
 * start, prefill done, finish, fallback: the reservation's life in the node's ledger;
 * ``borrowed_chunk_tokens``: the installed lease's ``ChunkLimits`` for the running batch (``None``
   without one), as the plugin's ``LocalPrefillAdmission.chunk_tokens`` caps it; ``choose_path`` is
@@ -37,6 +39,7 @@ from policies.admission import LocalPrefillAdmission
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
 from policies.ledger import LeaseLedger
+from policies.node_policies import DecodePressureRule
 from policies.node_state import NodeState
 from policies.slo import DEFAULT_CONTROL_INTERVAL_S
 
@@ -73,15 +76,19 @@ class WireLeases:
         now_s: float,
         *,
         chunk_limits: ChunkLimits | None = None,
+        pressure_rule: DecodePressureRule | None = None,
     ) -> list[int]:
         """Install a pushed lease on ``node_id`` (all zero revokes) with its per-iteration cap on
-        borrowed prefill (``chunk_limits``, as the plugin installs it); the un-started reservations it
-        revoked (they fall back at the next control interval, or when they would start)."""
+        borrowed prefill (``chunk_limits``) and its decode-pressure test (``pressure_rule``), as the
+        plugin installs them; the un-started reservations it revoked (they fall back at the next
+        control interval, or when they would start)."""
         node = self._node(node_id)
         if budgets.is_zero():
             revoked = node.revoke(now_s)
         else:
-            revoked = node.install_lease(budgets, ttl_s, now_s, chunk_limits=chunk_limits)
+            revoked = node.install_lease(
+                budgets, ttl_s, now_s, chunk_limits=chunk_limits, pressure_rule=pressure_rule
+            )
         self.installs[node_id] += 1
         self._revoked.extend(revoked)
         return revoked
@@ -111,7 +118,9 @@ class WireLeases:
 
     # ---- borrowed requests ------------------------------------------------------------------------
     def on_task_arrival(self, reservation_id: int, state: NodeState, now_s: float) -> str:
-        return "run" if self.ledger.is_spendable(reservation_id, now_s) else "fallback"
+        if not self.ledger.is_spendable(reservation_id, now_s):
+            return "fallback"
+        return "pause" if self._of(reservation_id).start_paused(state) else "run"
 
     def _of(self, reservation_id: int) -> LocalPrefillAdmission:
         return self._node(self.ledger.get(reservation_id).node_id)

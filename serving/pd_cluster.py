@@ -622,7 +622,11 @@ class PDWorker:
         except ValueError as exc:
             raise HttpError(400, f"field 'server_args': {exc}") from None
         self.cluster.live.install_lease(
-            self.idx, update.budgets, update.ttl_s, chunk_limits=update.chunk_limits
+            self.idx,
+            update.budgets,
+            update.ttl_s,
+            chunk_limits=update.chunk_limits,
+            pressure_rule=update.pressure_rule,
         )
         return [True]  # SGLang's answer: one boolean per data-parallel rank
 

@@ -73,6 +73,7 @@ import numpy as np
 from envs.live import PrefixResolver
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
+from policies.node_policies import DecodePressureRule
 from policies.node_state import NodeState
 from policies.path import PathDecision, PathQuery
 from policies.routing import (
@@ -830,8 +831,10 @@ class Router:
         """Send each lease-taking node the lease just published for it, when it changed (a new
         budget, expiry or policy): ``POST /set_internal_state`` with ``wire.lease_update_body``, the
         time it has left as its TTL, so the worker's own re-check admits against the router's lease,
-        and the node policy's cap on each borrowed iteration (``ClusterScheduler.chunk_limits`` over
-        the range the node's last report gives: its running-batch limit and KV capacity).
+        the node policy's cap on each borrowed iteration (``ClusterScheduler.chunk_limits`` over
+        the range the node's last report gives: its running-batch limit and KV capacity) and its
+        decode-pressure test (``ClusterScheduler.pressure_rule``: the node holds un-started borrowed
+        requests back while it holds, as the simulator's node pauses them).
         An expired lease is not sent (the worker's copy lapses at the same TTL); a zero one is (a
         revocation). One push per node at a time; one that fails is sent again at the next interval."""
         for j in sorted(self._lease_takers - self._pushing):
@@ -841,7 +844,9 @@ class Router:
             key = (generation, lease.budgets.as_tuple(), lease.expires_s)
             if self._pushed.get(j) != key:
                 ttl_s = lease.ttl_s if lease.budgets.is_zero() else lease.expires_s - now_s
-                self._start_push(j, lease.budgets, ttl_s, key, self._chunk_limits(scheduler, j))
+                rule_fn = getattr(scheduler, "pressure_rule", None)
+                rule = rule_fn(j) if callable(rule_fn) else None
+                self._start_push(j, lease.budgets, ttl_s, key, self._chunk_limits(scheduler, j), rule)
 
     def _chunk_limits(self, scheduler: Any, node: int) -> ChunkLimits | None:
         """The node policy's per-iteration cap for ``node``, tabulated over its last reported range."""
@@ -861,9 +866,10 @@ class Router:
         ttl_s: float,
         key: tuple[Any, ...],
         chunk_limits: ChunkLimits | None = None,
+        pressure_rule: DecodePressureRule | None = None,
     ) -> None:
         self._pushing.add(node)
-        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key, chunk_limits))
+        task = asyncio.create_task(self._push_lease(node, budgets, ttl_s, key, chunk_limits, pressure_rule))
         self._push_tasks.add(task)
         task.add_done_callback(self._push_tasks.discard)
 
@@ -874,13 +880,14 @@ class Router:
         ttl_s: float,
         key: tuple[Any, ...],
         chunk_limits: ChunkLimits | None,
+        pressure_rule: DecodePressureRule | None,
     ) -> None:
         assert self.upstream is not None
         ok = False
         try:
             status, answer = await self.upstream.post_json(
                 self.decode[node].url + "/set_internal_state",
-                lease_update_body(budgets, ttl_s, chunk_limits),
+                lease_update_body(budgets, ttl_s, chunk_limits, pressure_rule),
                 timeout_s=5.0,
             )
             ok = status == 200 and lease_update_accepted(_json_or_none(answer))

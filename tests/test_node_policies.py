@@ -11,6 +11,7 @@ from envs.estimator import ClusterEstimator
 from policies.context import PolicyContext
 from policies.lease import LeaseBudgets
 from policies.node_policies import (
+    DecodePressureRule,
     HeuristicPolicy,
     NodePolicy,
     NodePolicyRegistry,
@@ -138,6 +139,9 @@ def test_heuristic_decode_always_wins(overrides: dict[str, float], reason: str) 
     pressure = policy.decode_pressure(state(**overrides))
     assert pressure is not None and reason in pressure
     assert policy.propose(state(**overrides)).is_zero()
+    rule = policy.pressure_rule()  # the same test as data, for a node that holds no policy
+    assert rule.reason(state(**overrides)) == pressure and rule.reason(state()) is None
+    assert DecodePressureRule.from_dict(rule.to_dict()) == rule
 
 
 def test_heuristic_shrinks_monotonically_with_batch() -> None:

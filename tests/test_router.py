@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -829,7 +830,9 @@ def test_a_policy_reload_reaches_the_nodes_through_their_next_leases() -> None:
 def test_a_wire_lease_carries_the_node_policys_chunk_cap_and_the_node_sizes_chunks_by_it() -> None:
     """The heuristic caps each borrowed iteration from its ITL budget; a node holding no policy gets
     that cap with its lease (``ClusterScheduler.chunk_limits`` over the node's reported range) and
-    sizes its chunks by it: never above what the policy answers in process for the same batch."""
+    sizes its chunks by it: never above what the policy answers in process for the same batch. Its
+    decode-pressure test comes too (``ClusterScheduler.pressure_rule``): the node pauses a borrowed
+    request that arrives under pressure, as the simulator's in-process node does."""
     from serving.node_leases import WireLeases
 
     cm = CostModel(*MODEL)
@@ -856,6 +859,17 @@ def test_a_wire_lease_carries_the_node_policys_chunk_cap_and_the_node_sizes_chun
             assert wire_chunk is not None and wire_chunk <= policy.borrowed_chunk_tokens(batch, context)
         assert nodes.borrowed_chunk_tokens(0, 16, 200_000) < config.prefill_chunk_tokens, "a real cap"
         assert stack.router.scheduler is scheduler
+        # and its decode-pressure test: a borrowed request that arrives under pressure waits
+        rule = scheduler.pressure_rule(0)
+        assert rule is not None and all(node.pressure_rule == rule for node in nodes.nodes)
+        calm = replace(state, recent_step_time_s=0.0, queued_decode_requests=0)
+        busy = replace(calm, queued_decode_requests=1)
+        assert rule.reason(busy) == policy.decode_pressure(busy) is not None
+        assert rule.reason(calm) is policy.decode_pressure(calm) is None
+        res = nodes.ledger.reserve(0, LeaseBudgets(64, 64, 0, 1, 1), cluster.live.sim.now_s)
+        assert res is not None
+        assert nodes.on_task_arrival(res.reservation_id, busy, cluster.live.sim.now_s) == "pause"
+        assert nodes.on_task_arrival(res.reservation_id, calm, cluster.live.sim.now_s) == "run"
 
 
 @pytest.mark.slow

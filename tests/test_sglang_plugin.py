@@ -15,6 +15,7 @@ import pytest
 
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
+from policies.node_policies import DecodePressureRule
 from serving.sglang_plugin import hooks, local_prefill, wire
 from serving.sglang_plugin import lookalike as sg
 from serving.sglang_plugin.config import PluginConfig
@@ -60,12 +61,13 @@ def _lease(
     budgets: LeaseBudgets | None = None,
     ttl_s: float = 1.0,
     chunk_limits: ChunkLimits | None = None,
+    pressure_rule: DecodePressureRule | None = None,
 ) -> bool:
     """Install a lease through ``/set_internal_state``'s hook (default: ``LEASE``, its prefill budget
     scaled to 20_000 tokens/s over ``ttl_s``)."""
     if budgets is None:
         budgets = replace(LEASE, prefill_tokens=int(20_000 * ttl_s))
-    body = wire.lease_update_body(budgets, ttl_s, chunk_limits)
+    body = wire.lease_update_body(budgets, ttl_s, chunk_limits, pressure_rule)
     return scheduler.set_internal_state(sg.SetInternalStateReq(**body)).updated
 
 
@@ -322,6 +324,52 @@ def test_the_lease_caps_each_local_prefill_step_by_the_running_batch(
     else:
         assert max(steps) > 384, "the token bucket alone takes bigger steps"
     assert scheduler.retracted == 0
+
+
+def test_a_borrowed_request_waits_while_the_leases_pressure_rule_holds(installed: sg.HookRegistry) -> None:
+    """The node policy's decode-pressure test travels with the lease (``wire.LEASE_PRESSURE_RULE_KEY``):
+    while it holds on the node's state (here an ITL target no step can keep), a queued borrowed
+    request does not start, as the simulator's node pauses it; a lease whose rule no longer holds lets
+    it start and finish."""
+    scheduler, cluster = _worker(kv_tokens=40_000, chunked_prefill_size=4_096)
+    strict = DecodePressureRule(itl_target_s=1e-9, kv_high_watermark=0.9, batch_high_fraction=0.9)
+    assert _lease(scheduler, ttl_s=4.0, pressure_rule=strict)
+    node = _node(scheduler)
+    assert node.admission.pressure_rule == strict
+    cluster.run(20, [(0, _req("p1", 200, 400, borrowed=False))])
+    prompt = _req("b1", 1_000, 5, borrowed=True)
+    scheduler._add_request_to_queue(prompt)
+    before = len(cluster.extend_tokens)
+    for _ in range(30):
+        cluster.step()
+    assert len(cluster.extend_tokens) == before and not prompt.output_ids, "held: decode pressure"
+    assert [req.rid for req in node.queue] == ["b1"], "still queued, not refused"
+    assert _lease(scheduler, ttl_s=4.0, pressure_rule=replace(strict, itl_target_s=10.0))
+    for _ in range(60):
+        if prompt.finished():
+            break
+        cluster.step()
+    assert prompt.finished() and len(prompt.output_ids) == 5
+    assert sum(cluster.extend_tokens[before:]) == 1_000
+
+
+def test_the_pressure_rule_round_trips_on_the_wire_and_a_bad_one_names_the_field() -> None:
+    rule = DecodePressureRule(0.05, 0.9, 0.85, discount_prealloc_kv=True)
+    body = wire.lease_update_body(LEASE, 2.0, None, rule)
+    assert wire.parse_lease_update(body["server_args"]).pressure_rule == rule
+    assert wire.parse_lease_update(wire.lease_update_body(LEASE, 2.0)["server_args"]).pressure_rule is None
+    for bad, field in (
+        ({**rule.to_dict(), "itl_target_s": "0.05"}, "itl_target_s"),
+        ({**rule.to_dict(), "kv_high_watermark": 1.5}, "kv_high_watermark"),
+        ({**rule.to_dict(), "discount_prealloc_kv": 1}, "discount_prealloc_kv"),
+        ({"itl_target_s": 0.05}, "missing"),
+        ({**rule.to_dict(), "extra": 1}, "extra"),
+        ([0.05], "object"),
+    ):
+        args = {**body["server_args"], wire.LEASE_PRESSURE_RULE_KEY: bad}
+        with pytest.raises(ValueError, match=field) as err:
+            wire.parse_lease_update(args)
+        assert wire.LEASE_PRESSURE_RULE_KEY in str(err.value)
 
 
 def _shape(batch: sg.ScheduleBatch | None) -> tuple[bool, int] | None:

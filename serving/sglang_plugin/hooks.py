@@ -142,7 +142,9 @@ def set_internal_state(original: Callable[..., Any], scheduler: Any, recv_req: A
     except ValueError as exc:
         logger.warning("crossflow lease update refused: %s", exc)
         return api_output(False)
-    _node(scheduler).install_lease(update.budgets, update.ttl_s, chunk_limits=update.chunk_limits)
+    _node(scheduler).install_lease(
+        update.budgets, update.ttl_s, chunk_limits=update.chunk_limits, pressure_rule=update.pressure_rule
+    )
     return api_output(True)
 
 

@@ -47,6 +47,7 @@ from interference_model.columns import drain_features
 from policies.admission import LocalPrefillAdmission, borrowed_start_blocked, prealloc_fits
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
+from policies.node_policies import DecodePressureRule
 from policies.node_state import NodeState
 from serving.sglang_plugin.config import PluginConfig
 from serving.sglang_plugin.wire import INTERNAL_STATE_KEY, STARTED_BORROWED_KEY, unmark_routing_key
@@ -236,16 +237,24 @@ class LocalPrefill:
 
     # ------------------------------------------------------------------ the lease
     def install_lease(
-        self, budgets: LeaseBudgets, ttl_s: float, *, chunk_limits: ChunkLimits | None = None
+        self,
+        budgets: LeaseBudgets,
+        ttl_s: float,
+        *,
+        chunk_limits: ChunkLimits | None = None,
+        pressure_rule: DecodePressureRule | None = None,
     ) -> list[int]:
-        """Install the node's lease (all zero revokes it) and its per-iteration cap on borrowed
-        prefill (``chunk_limits``; a revocation keeps the cap it had); queued requests that no longer
-        fit are aborted with 503 now. Returns the revoked reservation ids."""
+        """Install the node's lease (all zero revokes it), its per-iteration cap on borrowed prefill
+        (``chunk_limits``) and its decode-pressure test (``pressure_rule``; a revocation keeps both as
+        they were); queued requests that no longer fit are aborted with 503 now. Returns the revoked
+        reservation ids."""
         now_s = self._now_s()
         if budgets.is_zero():
             revoked = self.admission.revoke(now_s)
         else:
-            revoked = self.admission.install_lease(budgets, ttl_s, now_s, chunk_limits=chunk_limits)
+            revoked = self.admission.install_lease(
+                budgets, ttl_s, now_s, chunk_limits=chunk_limits, pressure_rule=pressure_rule
+            )
         self._count("leases")  # the gauges follow at the next iteration
         self._drop_lapsed(now_s)
         return revoked
@@ -403,6 +412,8 @@ class LocalPrefill:
             # merges them only in its own step
             return 0, []
         candidates = [] if blocked else self._kv_fitting_candidates(now_s)
+        if candidates and self.admission.start_paused(self.node_state()):
+            candidates = []  # decode pressure: queued requests wait, as the simulator's node pauses them
         chunked = self._local_chunked()
         remaining = sum(len(req.origin_input_ids) for req in candidates)
         if chunked is not None:

@@ -13,7 +13,10 @@ Three things, all through SGLang 0.5.23's own HTTP server (no extra port, SGLang
   ``crossflow_lease_<budget>`` for the five budgets and ``crossflow_lease_ttl_s``, and optionally
   ``crossflow_lease_chunk_limits``: the lease policy's cap on each borrowed iteration by running batch
   (``policies.chunk_limits.ChunkLimits.to_dict``; absent: the token bucket alone paces borrowed
-  prefill). SGLang broadcasts a
+  prefill), and ``crossflow_lease_pressure_rule``: the lease policy's decode-pressure test
+  (``policies.node_policies.DecodePressureRule.to_dict``), under which the worker holds a borrowed
+  request that has not started yet, as the in-process node pauses it (absent: it starts when it
+  fits). SGLang broadcasts a
   control request to every scheduler rank at the same point of its request stream, so all tensor
   parallel ranks install the lease at the same iteration and keep deciding alike. All budgets zero
   revokes the lease.
@@ -34,6 +37,7 @@ from typing import Any, NamedTuple
 
 from policies.chunk_limits import ChunkLimits
 from policies.lease import BUDGET_FIELDS, LeaseBudgets
+from policies.node_policies import DecodePressureRule
 from policies.node_state import NodeState
 
 MARKER_FIELD = "do_local_prefill"
@@ -48,6 +52,8 @@ LEASE_KEYS: tuple[str, ...] = (*(f"{LEASE_KEY_PREFIX}{name}" for name in BUDGET_
 """The ``server_args`` keys of a lease update, all required."""
 LEASE_CHUNK_LIMITS_KEY = f"{LEASE_KEY_PREFIX}chunk_limits"
 """The optional key of a lease update that carries its ``ChunkLimits``."""
+LEASE_PRESSURE_RULE_KEY = f"{LEASE_KEY_PREFIX}pressure_rule"
+"""The optional key of a lease update that carries its ``DecodePressureRule``."""
 
 INTERNAL_STATE_KEY = "crossflow"
 """The key the plugin adds to each scheduler's internal state (``/server_info``'s ``internal_states``)."""
@@ -113,19 +119,27 @@ class LeaseUpdate(NamedTuple):
     ttl_s: float
     chunk_limits: ChunkLimits | None
     """The per-iteration cap on borrowed prefill (``None``: none sent)."""
+    pressure_rule: DecodePressureRule | None = None
+    """The test that holds un-started borrowed requests back (``None``: none sent)."""
 
 
 def lease_update_body(
-    budgets: LeaseBudgets, ttl_s: float, chunk_limits: ChunkLimits | None = None
+    budgets: LeaseBudgets,
+    ttl_s: float,
+    chunk_limits: ChunkLimits | None = None,
+    pressure_rule: DecodePressureRule | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The ``/set_internal_state`` body that installs ``budgets`` as the worker's lease for ``ttl_s``,
-    with ``chunk_limits`` as its cap on each borrowed iteration (omitted when ``None``)."""
+    with ``chunk_limits`` as its cap on each borrowed iteration and ``pressure_rule`` as the test that
+    holds un-started borrowed requests back (each omitted when ``None``)."""
     if not (ttl_s > 0 and math.isfinite(ttl_s)):
         raise ValueError(f"lease ttl_s must be positive and finite, got {ttl_s!r}")
     args: dict[str, Any] = {f"{LEASE_KEY_PREFIX}{k}": v for k, v in budgets.to_dict().items()}
     args[LEASE_TTL_KEY] = float(ttl_s)
     if chunk_limits is not None:
         args[LEASE_CHUNK_LIMITS_KEY] = chunk_limits.to_dict()
+    if pressure_rule is not None:
+        args[LEASE_PRESSURE_RULE_KEY] = pressure_rule.to_dict()
     return {"server_args": args}
 
 
@@ -137,10 +151,11 @@ def is_lease_update(server_args: Mapping[str, Any]) -> bool:
 def parse_lease_update(server_args: Mapping[str, Any]) -> LeaseUpdate:
     """The lease update in ``server_args``; ``ValueError`` naming the keys that are missing, unknown
     or mixed with other settings, the budget that is not a non-negative integer, or what is wrong in
-    the chunk limits."""
+    the chunk limits or the pressure rule."""
     keys = set(server_args)
     missing = [k for k in LEASE_KEYS if k not in keys]
-    extra = sorted(k for k in keys if k not in LEASE_KEYS and k != LEASE_CHUNK_LIMITS_KEY)
+    optional = (LEASE_CHUNK_LIMITS_KEY, LEASE_PRESSURE_RULE_KEY)
+    extra = sorted(k for k in keys if k not in LEASE_KEYS and k not in optional)
     if extra:
         raise ValueError(
             f"lease update: unexpected key(s) {extra}; send the lease keys {list(LEASE_KEYS)} alone"
@@ -162,7 +177,13 @@ def parse_lease_update(server_args: Mapping[str, Any]) -> LeaseUpdate:
         if limits is None
         else ChunkLimits.from_dict(limits, source=f"lease update: {LEASE_CHUNK_LIMITS_KEY}")
     )
-    return LeaseUpdate(budgets, float(ttl_s), chunk_limits)
+    rule = server_args.get(LEASE_PRESSURE_RULE_KEY)
+    pressure_rule = (
+        None
+        if rule is None
+        else DecodePressureRule.from_dict(rule, source=f"lease update: {LEASE_PRESSURE_RULE_KEY}")
+    )
+    return LeaseUpdate(budgets, float(ttl_s), chunk_limits, pressure_rule)
 
 
 def takes_lease_updates(server_info: Mapping[str, Any]) -> bool:
@@ -239,6 +260,7 @@ __all__ = [
     "LEASE_CHUNK_LIMITS_KEY",
     "LEASE_KEYS",
     "LEASE_KEY_PREFIX",
+    "LEASE_PRESSURE_RULE_KEY",
     "LEASE_TTL_KEY",
     "MARKER_FIELD",
     "ROUTING_KEY_MARK",
