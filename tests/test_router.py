@@ -955,7 +955,7 @@ def test_control_intervals_run_on_states_read_just_before_them() -> None:
     config = ClusterConfig(n_prefill=1, n_decode=2)
     scheduler = build_scheduler("utilisation", config, cm)
     with (
-        _stack(config, scale=1.0, scheduler=scheduler, estimator=ClusterEstimator(config, cm)) as (
+        _stack(config, scale=2.0, scheduler=scheduler, estimator=ClusterEstimator(config, cm)) as (
             _,
             _,
             stack,
@@ -973,7 +973,7 @@ def test_control_intervals_run_on_states_read_just_before_them() -> None:
 
         scheduler.on_control_interval = noted  # type: ignore[method-assign]
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(ages) < 2 * 8:
+        while time.monotonic() < deadline and len(ages) < 2 * 6:
             time.sleep(0.05)
         auth = {"authorization": f"Bearer {router.control_token}"}
         state = NodeState(0, 0.0, 0, 0.0, 0.0, 0.0, 1000, 0, 0, 0, 0, 0, 0.0, 0.0, 8).to_dict()
@@ -983,10 +983,10 @@ def test_control_intervals_run_on_states_read_just_before_them() -> None:
         body = {"input_ids": list(range(100, 164)), "sampling_params": {"max_new_tokens": 2}}
         assert c.post(f"{router.url}/generate", json=body).status_code == 200
         phase = router.control_phase_s()
-    assert len(ages) >= 2 * 8
-    report_interval_s = config.control_interval_s / REPORTS_PER_INTERVAL
+    assert len(ages) >= 2 * 6
+    report_interval_s = config.control_interval_s / REPORTS_PER_INTERVAL  # emulated, as the ages
     assert sorted(ages[2:])[len(ages[2:]) // 2] < report_interval_s / 4, ages
-    assert 0.0 < answer.json()["next_control_in_s"] <= config.control_interval_s
+    assert 0.0 < answer.json()["next_control_in_s"] <= 2.0 * config.control_interval_s  # wall seconds
     assert phase is not None and 0.0 <= phase < config.control_interval_s
 
 
