@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from policies.context import CostEstimator, PolicyContext, Registry
@@ -186,6 +186,8 @@ class HeuristicPolicy:
     """Largest borrowed chunk one iteration takes (the cluster's ``prefill_chunk_tokens``)."""
     discount_prealloc_kv: bool = False
     """Leave pre-allocated KV of requests still waiting for prefill out of the KV watermark."""
+    _pressure: DecodePressureRule = field(init=False, repr=False, compare=False)
+    """``decode_pressure``'s test, built once from the fields above (``pressure_rule``)."""
 
     def __post_init__(self) -> None:
         _check_positive("HeuristicPolicy", itl_target_s=self.itl_target_s, ttl_s=self.ttl_s)
@@ -207,22 +209,18 @@ class HeuristicPolicy:
                 raise ValueError("HeuristicPolicy.itl_budget_s needs a cost estimator (cost=...)")
         if self.max_chunk_tokens < 1:
             raise ValueError(f"HeuristicPolicy.max_chunk_tokens must be >= 1, got {self.max_chunk_tokens!r}")
+        rule = DecodePressureRule(
+            self.itl_target_s, self.kv_high_watermark, self.batch_high_fraction, self.discount_prealloc_kv
+        )
+        object.__setattr__(self, "_pressure", rule)
 
     def decode_pressure(self, state: NodeState) -> str | None:
         """Why decode needs the whole node now, or ``None``. Any reason forces a zero lease."""
-        return decode_pressure_reason(
-            state,
-            itl_target_s=self.itl_target_s,
-            kv_high_watermark=self.kv_high_watermark,
-            batch_high_fraction=self.batch_high_fraction,
-            discount_prealloc_kv=self.discount_prealloc_kv,
-        )
+        return self._pressure.reason(state)
 
     def pressure_rule(self) -> DecodePressureRule:
         """``decode_pressure`` as data, for a node that holds no policy (it travels with the lease)."""
-        return DecodePressureRule(
-            self.itl_target_s, self.kv_high_watermark, self.batch_high_fraction, self.discount_prealloc_kv
-        )
+        return self._pressure
 
     def borrowed_chunk_tokens(self, decode_batch: int, decode_context_tokens: int) -> int | None:
         """Borrowed prefill tokens one iteration of the node may take with a running batch of
