@@ -284,7 +284,7 @@ def agree(args: argparse.Namespace) -> None:
     if not trace.closed_loop:
         for line in _references(point, trace, phase_s, args.sim_phases, (*router_row, share)):
             print(line)
-    for line in stuck:
+    for line in stuck + _unfinished(result.records):
         print(line)
 
 
@@ -333,6 +333,16 @@ def _references(
         heading = f"simulate at {n_phases} phases of the control grid (leases out from the start):"
         lines += _spread(point, trace, [k / n_phases * interval_s for k in range(n_phases)], heading, router)
     return lines
+
+
+def _unfinished(records: list[Any]) -> list[str]:
+    """One line per request the replay did not see finish: what the client got instead."""
+    return [
+        f"not finished: trace request {r.request_id} ({r.input_tokens} tokens), status {r.status}, "
+        f"rejected {r.rejected}, {r.completion_tokens} of {r.output_tokens} tokens: {r.error or 'no error'}"
+        for r in records
+        if not r.finished
+    ]
 
 
 def _stuck_report(live: LiveCluster) -> list[str]:
