@@ -280,9 +280,14 @@ def agree(args: argparse.Namespace) -> None:
     if args.decisions_out:
         for line in _write_decisions(args.decisions_out, trace, sim_log, router_log):
             print(line)
-    router_row = (float(m["input_tokens_per_s"]), float(m["ttft_mean_s"]), float(m["itl_mean_s"]) * 1e3)
+    router_row = (
+        float(m["input_tokens_per_s"]),
+        float(m["ttft_mean_s"]),
+        float(m["itl_mean_s"]) * 1e3,
+        share,
+    )
     if not trace.closed_loop:
-        for line in _references(point, trace, phase_s, args.sim_phases, (*router_row, share)):
+        for line in _references(point, trace, phase_s, args.sim_phases, router_row):
             print(line)
     for line in stuck + _unfinished(result.records):
         print(line)

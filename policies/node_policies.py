@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from policies.context import CostEstimator, PolicyContext, Registry
@@ -323,24 +323,20 @@ class DecodePressureRule:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "itl_target_s": self.itl_target_s,
-            "kv_high_watermark": self.kv_high_watermark,
-            "batch_high_fraction": self.batch_high_fraction,
-            "discount_prealloc_kv": self.discount_prealloc_kv,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "decode pressure rule") -> DecodePressureRule:
         """The rule in ``data`` (``to_dict``'s shape); ``ValueError`` naming ``source`` and the field."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: must be an object, got {type(data).__name__}")
-        fields = ("itl_target_s", "kv_high_watermark", "batch_high_fraction", "discount_prealloc_kv")
-        extra = sorted(set(data) - set(fields))
-        missing = [k for k in fields[:3] if k not in data]
+        names = [f.name for f in fields(cls)]
+        numbers = names[:3]  # the flag after them has a default
+        extra = sorted(set(data) - set(names))
+        missing = [k for k in numbers if k not in data]
         if extra or missing:
             raise ValueError(f"{source}: unknown field(s) {extra}, missing field(s) {missing}")
-        for k in fields[:3]:
+        for k in numbers:
             value = data[k]
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{source}: field {k!r} must be a finite number, got {value!r}")
