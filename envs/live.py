@@ -42,7 +42,7 @@ import numpy as np
 from envs.cluster_config import ClusterConfig
 from envs.cost_model import CostModel
 from envs.request import Request, Trace
-from envs.sim_state import FALLBACK, DecodeWorker, PrefillWorker, ReqState
+from envs.sim_state import FALLBACK, DecodeWorker, PrefillWorker, ReqState, StepWindow
 from envs.simulator import SchedulerHooks, Simulator
 from envs.trace_formats import _prefix_fields, _PrefixIndex
 from policies.chunk_limits import ChunkLimits
@@ -239,6 +239,8 @@ class LiveCluster:
         )
         self.sim.listener = self
         self.sim.open_ended = True
+        for w in self.sim.decode:
+            w.step_log = StepWindow(self.config.control_interval_s)
         self.sim.refuse_fallbacks = True
         self.cm = self.sim.cm
         self.time_scale = time_scale
@@ -373,7 +375,8 @@ class LiveCluster:
         its per-iteration cap on borrowed prefill (``chunk_limits``) and the test that holds un-started
         borrowed requests back (``pressure_rule``), on a scheduler that takes them
         (``serving.node_leases.WireLeases``); the node's token bucket follows at once. Returns the
-        reservations it revoked. ``ValueError`` when the nodes' leases come from an in-process node
+        reservations it revoked: those queued here fall back now, as the plugin aborts them with 503
+        when it installs the lease. ``ValueError`` when the nodes' leases come from an in-process node
         policy."""
         if not self.takes_wire_leases():
             raise ValueError("this cluster's decode nodes take their leases from an in-process scheduler")
@@ -384,7 +387,10 @@ class LiveCluster:
             decode_worker, budgets, ttl_s, now, chunk_limits=chunk_limits, pressure_rule=pressure_rule
         )
         rate, expires_s = scheduler.lease_rate(decode_worker)
-        self.sim.decode[decode_worker].bucket.set_lease(now, rate, expires_s)
+        w = self.sim.decode[decode_worker]
+        w.bucket.set_lease(now, rate, expires_s)
+        if revoked:  # the plugin aborts queued requests a revocation leaves unpaid now (503), not later
+            self.sim.fall_back_revoked(w, set(revoked))
         self._kick()
         return revoked
 
@@ -578,27 +584,17 @@ class LiveCluster:
 
     def node_state(self, idx: int) -> NodeState:
         """Decode worker ``idx``'s ``NodeState`` now: what the SGLang plugin reports in
-        ``/server_info`` on a real worker. Its recent step times are over the control interval that
-        ends now, as a simulator tick reads them over the interval ending at the tick (so a router
-        whose control grid runs at another phase than this cluster's reads what its simulator
-        would): the iterations since this cluster's last tick, plus the part of the interval before
-        it that the trailing window still covers, pro rata."""
+        ``/server_info`` on a real worker. Its recent step times are over the iterations that ended
+        in the control interval ending now (``StepWindow``, as the plugin's trailing window), as a
+        simulator tick reads them over the interval ending at the tick; so a router whose control
+        grid runs at another phase than this cluster's own ticks reads what its simulator would."""
         self._advance()
         sim = self.sim
         w = sim.decode[idx]
-        state = sim._node_state(w)
-        if sim.last_tick_s is None:
-            return state
-        interval_s = self.config.control_interval_s
-        keep = max(0.0, 1.0 - (sim.now_s - sim.last_tick_s) / interval_s)
-        steps = w.step_count + keep * w.prev_step_count
-        if steps <= 0:
-            return state
-        return replace(
-            state,
-            recent_step_time_s=(w.step_time_ns + keep * w.prev_step_time_ns) * 1e-9 / steps,
-            recent_decode_only_step_time_s=(w.decode_only_ns + keep * w.prev_decode_only_ns) * 1e-9 / steps,
-        )
+        state = sim._node_state(w)  # applies the iterations finished by now first
+        assert w.step_log is not None
+        recent_s, decode_only_s = w.step_log.read(sim.now_s)
+        return replace(state, recent_step_time_s=recent_s, recent_decode_only_step_time_s=decode_only_s)
 
     def prefill_started(self, live: LiveRequest) -> bool:
         """Whether ``live``'s prefill has begun (a borrowed one: the node started it and committed its

@@ -138,6 +138,44 @@ class PrefillWorker:
 
 
 @dataclass
+class StepWindow:
+    """A decode worker's iterations that ended in the last ``window_s`` seconds, with their sums:
+    what a real worker's plugin averages its recent step times over whenever it is read
+    (``serving.sglang_plugin``'s trailing window), kept exactly instead of the simulator's
+    per-control-interval counters. Only an emulated cluster turns it on (``DecodeWorker.step_log``)."""
+
+    window_s: float
+    steps: deque[tuple[float, int, int, int]] = field(default_factory=deque)
+    """``(end time, step ns, decode-only ns, iterations)`` per accounted piece, oldest first."""
+    step_ns: int = 0
+    decode_only_ns: int = 0
+    count: int = 0
+
+    def add(self, end_s: float, step_ns: int, decode_only_ns: int, iterations: int = 1) -> None:
+        self.steps.append((end_s, step_ns, decode_only_ns, iterations))
+        self.step_ns += step_ns
+        self.decode_only_ns += decode_only_ns
+        self.count += iterations
+        self._drop_before(end_s - self.window_s)
+
+    def read(self, now_s: float) -> tuple[float, float]:
+        """``(mean step s, mean decode-only step s)`` over the iterations that ended in
+        ``(now_s - window_s, now_s]``; zeros when none did."""
+        self._drop_before(now_s - self.window_s)
+        if not self.count:
+            return 0.0, 0.0
+        return self.step_ns * 1e-9 / self.count, self.decode_only_ns * 1e-9 / self.count
+
+    def _drop_before(self, horizon_s: float) -> None:
+        steps = self.steps
+        while steps and steps[0][0] <= horizon_s:
+            _, step_ns, decode_only_ns, iterations = steps.popleft()
+            self.step_ns -= step_ns
+            self.decode_only_ns -= decode_only_ns
+            self.count -= iterations
+
+
+@dataclass
 class DecodeWorker:
     """A decode worker: pre-allocation queue, waiting and running requests, borrowed prefill tasks,
     KV accounting, its lease's token bucket, and the iteration (or jump of identical iterations) in
@@ -195,11 +233,9 @@ class DecodeWorker:
     decode_only_ns: int = 0
     """What the same iterations would have taken without prefill mixed in."""
     step_count: int = 0
-    prev_step_time_ns: int = 0
-    prev_decode_only_ns: int = 0
-    prev_step_count: int = 0
-    """The three above over the last whole control interval (``LiveCluster.node_state`` reads a
-    trailing interval from them and the current one's)."""
+    step_log: StepWindow | None = None
+    """The iterations of a trailing window, for an emulated worker's reports (``StepWindow``);
+    ``None`` in a plain simulation (nothing is logged)."""
     decode_tokens_total: int = 0
     """Decode tokens the iterations produced since the start ..."""
     mixed_decode_tokens_total: int = 0

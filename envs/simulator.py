@@ -49,7 +49,7 @@ import bisect
 import copy
 import heapq
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -844,6 +844,11 @@ class Simulator:
         times = w.iter_times_s[start:upto]
         if m == 1 or not isinstance(times, np.ndarray) or not self._account_jump(w, start, upto, n):
             self._account(w, times, times, n)
+        log = w.step_log
+        if log is not None:
+            for t, end_s in zip(times, w.iter_ends_s[start:upto], strict=True):
+                ns = to_ns(float(t))
+                log.add(float(end_s), ns, ns)
         if w.iter_credit_wait:  # each iteration's end starts the next: single iterations check credit there
             for end_s in w.iter_ends_s[start:upto]:
                 w.bucket.advance(float(end_s))
@@ -1222,6 +1227,8 @@ class Simulator:
         recomputed = {id(r) for r, _ in w.iter_prefill if r.needs_recompute}
         decoding = [r for r in w.running if id(r) not in recomputed]
         self._account(w, w.iter_times_s, [w.iter_decode_only_s], len(decoding))
+        if w.step_log is not None:
+            w.step_log.add(self.now_s, to_ns(float(w.iter_times_s[0])), to_ns(float(w.iter_decode_only_s)))
         if len(recomputed) < len(w.iter_prefill):  # borrowed or local prefill, not only re-prefill
             w.mixed_decode_tokens_total += len(decoding)
         for req in decoding:
@@ -1406,6 +1413,17 @@ class Simulator:
             states.append(state)
         return states
 
+    def fall_back_revoked(self, w: DecodeWorker, revoked: Collection[int]) -> None:
+        """Send ``w``'s borrowed requests whose reservation is in ``revoked`` back to the normal path
+        now, but for those in the iteration in flight (it finishes first); a node-side scheduler may
+        revoke started ones."""
+        running = {r.rid for r, _ in w.iter_prefill}
+        for req in [r for r in w.borrowed if r.reservation in revoked and r.rid not in running]:
+            w.borrowed.remove(req)
+            if req.started:
+                self._drop_started_borrowed(w, req)
+            self._fallback(req)
+
     def _on_tick(self) -> None:
         """A control interval: the scheduler sees every node's state and republishes the leases.
 
@@ -1428,20 +1446,10 @@ class Simulator:
         for w in self.decode:
             rate, expires_s = lease_rate(w.idx)
             w.bucket.set_lease(now_s, rate, expires_s)
-            if revoked:  # back to the normal path now (a node-side scheduler may revoke started ones)
-                running = {r.rid for r, _ in w.iter_prefill}  # an iteration in flight finishes first
-                for req in [r for r in w.borrowed if r.reservation in revoked and r.rid not in running]:
-                    w.borrowed.remove(req)
-                    if req.started:
-                        self._drop_started_borrowed(w, req)
-                    self._fallback(req)
+            if revoked:
+                self.fall_back_revoked(w, revoked)
             timeline.append((now_s, w.idx, rate, w.borrowed_tokens_total, len(w.running)))
             ran = ran or w.step_count > 0
-            w.prev_step_time_ns, w.prev_decode_only_ns, w.prev_step_count = (
-                w.step_time_ns,
-                w.decode_only_ns,
-                w.step_count,
-            )
             w.step_time_ns = 0
             w.decode_only_ns = 0
             w.step_count = 0

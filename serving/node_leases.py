@@ -80,8 +80,10 @@ class WireLeases:
     ) -> list[int]:
         """Install a pushed lease on ``node_id`` (all zero revokes) with its per-iteration cap on
         borrowed prefill (``chunk_limits``) and its decode-pressure test (``pressure_rule``), as the
-        plugin installs them; the un-started reservations it revoked (they fall back at the next
-        control interval, or when they would start)."""
+        plugin installs them; the un-started reservations it revoked. ``LiveCluster.install_lease``
+        falls back those queued on the node at once, as the plugin aborts them; any still in flight
+        to it fall back on arrival (not spendable), and every one is also handed back at the next
+        control interval (a no-op for those gone)."""
         node = self._node(node_id)
         if budgets.is_zero():
             revoked = node.revoke(now_s)

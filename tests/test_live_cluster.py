@@ -17,6 +17,7 @@ from envs.cost_model import CostModel
 from envs.live import LiveCluster, PrefixResolver, lag_check, local_prefill_demand
 from envs.prefix_cache import PrefixCache, PrefixIndex
 from envs.request import Request, Trace
+from envs.sim_state import StepWindow
 from envs.simulator import Simulator
 from envs.traces import load_trace
 from policies.lease import LeaseBudgets
@@ -266,6 +267,83 @@ def test_a_live_borrowed_request_refused_as_it_enters_gets_its_503() -> None:
 
     error = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
     assert error is not None and error[0] == 503
+
+
+def test_a_revoking_lease_pushed_to_an_emulated_worker_refuses_its_queued_borrowed_work_at_once() -> None:
+    """A zero lease pushed while a borrowed request waits on the node for credit: the emulated worker
+    refuses it (503 before any token, so the router falls back) as it installs the lease, as the
+    plugin aborts such requests in ``set_lease``; not at the emulated cluster's next control interval,
+    which runs on its own grid up to an interval after the router's (the simulator falls revoked work
+    back at the interval that revokes it)."""
+    from serving.node_leases import WireLeases
+
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.5)
+    cluster = LiveCluster(config, cost_model=CostModel(*MODEL), scheduler=WireLeases(1), time_scale=2.0)
+    lease = LeaseBudgets(prefill_tokens=200, kv_tokens=10**6, transfer_tokens=0, decode_tokens=10**5, tasks=4)
+
+    async def body() -> tuple[tuple[int, str] | None, float, float]:
+        cluster.install_lease(0, lease, 5.0)  # 40 tokens/s: a 2 000-token prompt waits for credit
+        demand = dataclasses.replace(local_prefill_demand(2_000, 10), prefill_tokens=100)
+        reservation = cluster.reserve_borrowed(0, 2_000, 10)
+        assert reservation is None, "the lease cannot hold the whole prompt"
+        held = cluster.sim.scheduler.ledger.reserve(0, demand, cluster.sim.now_s)  # type: ignore[union-attr]
+        assert held is not None
+        live = cluster.submit_borrowed(
+            np.arange(2_000), 10, decode_worker=0, reservation_id=held.reservation_id
+        )
+        await asyncio.sleep(0.05)
+        req = cluster.sim.reqs[live.rid]
+        assert req in cluster.sim.decode[0].borrowed and live.error is None, "it waits for credit"
+        pushed_s = cluster.sim.now_s
+        assert cluster.install_lease(0, LeaseBudgets.zero(), 5.0) == [held.reservation_id]
+        return live.error, pushed_s, cluster.sim.now_s
+
+    error, pushed_s, refused_s = asyncio.run(_run_live(cluster, body()))  # type: ignore[misc]
+    assert error is not None and error[0] == 503, "refused as the lease was installed"
+    assert refused_s - pushed_s < 0.05 < config.control_interval_s
+    assert cluster.in_flight() == 0
+
+
+def test_an_emulated_workers_recent_step_times_are_over_the_iterations_of_the_trailing_interval() -> None:
+    """``LiveCluster.node_state`` averages the iterations that ended in the control interval ending
+    now, whatever the phase of the cluster's own ticks (``StepWindow``: the plugin's trailing
+    window), and reads zero once none did."""
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.5)
+    cluster = LiveCluster(config, cost_model=CostModel(*MODEL))  # never started: the test sets its clock
+    sim, w = cluster.sim, cluster.sim.decode[0]
+    assert w.step_log is not None
+    w.step_log.add(0.9, 300_000_000, 10_000_000)  # a long mixed iteration ending at 0.9 s
+    for k in range(10):
+        w.step_log.add(1.0 + 0.02 * k, 20_000_000, 20_000_000)
+    sim.now_s = 1.2
+    state = cluster.node_state(0)
+    assert state.recent_step_time_s == pytest.approx((0.3 + 10 * 0.02) / 11)
+    assert state.recent_decode_only_step_time_s == pytest.approx((0.01 + 10 * 0.02) / 11)
+    sim.now_s = 1.45  # 0.9 s is past the trailing interval now
+    assert cluster.node_state(0).recent_step_time_s == pytest.approx(0.02)
+    sim.now_s = 2.0
+    assert cluster.node_state(0).recent_step_time_s == 0.0
+
+
+def test_the_step_window_matches_a_simulator_tick_on_the_iterations_it_counted() -> None:
+    """The trailing window an emulated worker reports is fed by the simulator's own accounting: read
+    at a tick, it averages exactly the iterations that tick's counters did."""
+    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.5)
+    trace = Trace("t", [Request(i, i, 0, 0.1 * i, 800 + 40 * i, 60, -1, 0) for i in range(30)], source="test")
+    cm = CostModel(*MODEL)
+    sim = Simulator(trace, config, scheduler=build_scheduler("heuristic", config, cm), cost_model=cm)
+    w = sim.decode[0]
+    w.step_log = StepWindow(config.control_interval_s)
+    seen = 0
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0):
+        sim.step_until(t - 1e-9)
+        sim._sync(w)
+        if w.step_count and sim.last_tick_s == pytest.approx(t - config.control_interval_s):
+            seen += 1
+            recent, _ = w.step_log.read(sim.now_s)
+            assert recent == pytest.approx(w.step_time_ns * 1e-9 / w.step_count, rel=1e-12)
+        sim.step_until(t)
+    assert seen >= 4
 
 
 def test_a_wire_fed_node_aborts_started_borrowed_work_whose_lease_ran_out() -> None:

@@ -472,25 +472,3 @@ def test_a_replay_client_that_falls_behind_fails_the_lag_check() -> None:
             assert result.lag_failure is not None and "the replay client lagged" in result.lag_failure
         else:
             assert result.lag_failure is None
-
-
-def test_a_node_states_recent_step_times_cover_the_control_interval_ending_now() -> None:
-    """An emulated decode worker reports its recent step times over the control interval that ends
-    when it is read, as a simulator tick averages the interval ending at the tick (a router's grid
-    runs at another phase than the cluster's own ticks): the iterations since the cluster's last
-    tick, plus the share of the interval before it that the trailing window still covers."""
-    config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.5)
-    live = _live(config)  # never started: its clock stays where the test puts it
-    sim, w = live.sim, live.sim.decode[0]
-    w.prev_step_count, w.prev_step_time_ns, w.prev_decode_only_ns = 10, 200_000_000, 150_000_000
-    w.step_count, w.step_time_ns, w.decode_only_ns = 5, 200_000_000, 100_000_000
-    sim.last_tick_s = 1.0
-    sim.now_s = 1.25  # half the trailing interval is before the last tick: half its steps count
-    state = live.node_state(0)
-    assert state.recent_step_time_s == pytest.approx((0.2 + 0.5 * 0.2) / (5 + 0.5 * 10))
-    assert state.recent_decode_only_step_time_s == pytest.approx((0.1 + 0.5 * 0.15) / 10)
-    sim.now_s = 1.5  # a whole interval since the tick: only its own steps
-    assert live.node_state(0).recent_step_time_s == pytest.approx(0.2 / 5)
-    w.step_count, w.step_time_ns, w.decode_only_ns = 0, 0, 0
-    sim.now_s = 1.0  # right at the tick (its counters restarted): the interval it closed
-    assert live.node_state(0).recent_step_time_s == pytest.approx(0.02)
