@@ -5,7 +5,7 @@ Life of a reservation::
     reserve ──► reserved ──commit──► committed ──release (all of it)──► released
                    │                     └── release(part) keeps the rest held
                    ├── release ──► released      (the caller gave up before starting)
-                   ├── revoke / publish (does not fit the new lease) ──► revoked
+                   ├── revoke / publish (does not fit the new lease) ──► revoked ──reinstate──► committed
                    └── lease expired (expire(), or lazily at commit) ──► expired
 
 Rules (the contract the property tests check):
@@ -20,6 +20,9 @@ Rules (the contract the property tests check):
   zero) applies the same rule to a smaller lease.
 * A reservation whose lease has expired, or that was revoked, can never be committed: ``commit``
   returns ``False`` (the caller falls back to the normal path). Unknown ids raise ``KeyError``.
+* ``reinstate`` re-opens a revoked reservation as committed, holding what it held: its node had
+  started it before the revocation reached it (a router's ledger learns of starts from the nodes'
+  reports, a little after they happen). Like any committed work it may over-commit the lease.
 * Therefore, on every node at every moment: if any un-committed reservation is active, the held total
   fits within the current lease; otherwise only committed work (admitted under some lease) is held.
 
@@ -30,12 +33,17 @@ Everything is deterministic: ids count up from 1 per ledger, carry-over walks re
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
 from policies.lease import Lease, LeaseBudgets
 
 ReservationStatus = Literal["reserved", "committed", "released", "revoked", "expired"]
+
+REINSTATABLE = 4096
+"""How many of the latest revoked reservations a ledger keeps so that ``reinstate`` can re-open them
+(a node's report of a start comes within a control interval or two)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +77,8 @@ class LeaseLedger:
         """The active entries of each node, in reservation-id order (ids only grow)."""
         # Terminal states are kept so a late commit/arrival on a revoked id answers False, not KeyError.
         self._closed: dict[int, ReservationStatus] = {}
+        self._revoked: OrderedDict[int, _Entry] = OrderedDict()
+        """The latest revoked entries (at most ``REINSTATABLE``), which ``reinstate`` may re-open."""
         self._next_id = 1
         # Prefill tokens granted per node by leases no longer current, and when the current one began.
         self._granted_closed: dict[int, float] = {}
@@ -184,6 +194,31 @@ class LeaseLedger:
             # Carry-over rewrites the epoch; a mismatch here would be a ledger bug, not a caller error.
             assert entry.reservation.epoch == lease.epoch, "active reservation on a stale epoch"
             entry.committed = True
+            return True
+
+    def reinstate(self, reservation_id: int) -> bool:
+        """Re-open a revoked reservation as committed, holding what it held when revoked, on its node's
+        current lease: the node started it before the revocation reached it, so its work goes on and
+        counts like any committed work (it may over-commit the lease). ``False`` (nothing done) unless
+        it was revoked (and is among the latest ``REINSTATABLE`` revoked); ``KeyError`` for an id never
+        issued."""
+        with self._lock:
+            if self.status(reservation_id) != "revoked":
+                return False
+            entry = self._revoked.pop(reservation_id, None)
+            if entry is None:
+                return False
+            node_id = entry.reservation.node_id
+            old = entry.reservation
+            entry.reservation = Reservation(
+                reservation_id, node_id, self._leases[node_id].epoch, old.demand, old.reserved_s
+            )
+            entry.committed = True
+            del self._closed[reservation_id]
+            self._active[reservation_id] = entry
+            entries = self._by_node.setdefault(node_id, {})
+            entries[reservation_id] = entry
+            self._by_node[node_id] = dict(sorted(entries.items()))  # keep id order
             return True
 
     def is_spendable(self, reservation_id: int, now_s: float) -> bool:
@@ -310,6 +345,10 @@ class LeaseLedger:
         entry = self._active.pop(reservation_id)
         del self._by_node[entry.reservation.node_id][reservation_id]
         self._closed[reservation_id] = status
+        if status == "revoked":
+            self._revoked[reservation_id] = entry
+            if len(self._revoked) > REINSTATABLE:
+                self._revoked.popitem(last=False)
 
 
 def _grant(lease: Lease, since_s: float, now_s: float) -> float:

@@ -527,6 +527,22 @@ class ClusterScheduler:
         """Commit the reservation; ``False`` means it can no longer run here (fall back)."""
         return self.ledger.commit(reservation_id, now_s)
 
+    def on_task_reported_started(self, reservation_id: int, now_s: float) -> bool:
+        """The node reports the task's prefill begun, which it may have done before a revocation here
+        reached it (a router learns of starts from the node's reports, a little late): commit it, or
+        re-open it as committed if this ledger revoked it (``LeaseLedger.reinstate``), so the leases
+        that follow count the work the node goes on running, as the simulator, which never revokes a
+        started task, does. ``False``: it expired or was released (the node aborts it on its own)."""
+        with self._lock:
+            if self.ledger.commit(reservation_id, now_s):
+                return True
+            if self.ledger.reinstate(reservation_id):
+                self.records.append(
+                    {"kind": "reinstated", "time_s": now_s, "reservation_id": reservation_id}
+                )
+                return True
+            return False
+
     def on_prefill_done(self, reservation_id: int) -> None:
         """Return the compute, transfer and task budgets; KV and decode work stay held."""
         held = self.ledger.held_by(reservation_id)

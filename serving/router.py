@@ -1273,7 +1273,8 @@ class Router:
         sent before the read have arrived there (``on_task_arrival``: the node's next lease counts them
         as work its state shows; those sent later wait for the next report), and those among
         ``started`` (the node reports their prefill begun) commit their reservations
-        (``on_task_started``), as the simulator commits one the moment its node starts it. Without
+        (``on_task_reported_started`` where the scheduler has it, else ``on_task_started``), as the
+        simulator commits one the moment its node starts it. Without
         that, a revocation before the first token would take back, in the router's ledger, room the
         node goes on spending, and the next lease would promise it twice."""
         legs = self._borrowed_legs.get(node)
@@ -1289,9 +1290,11 @@ class Router:
                 self._commit(leg, node, read_s)
 
     def _commit(self, leg: _BorrowedLeg, node: int, now_s: float) -> None:
-        """Commit ``leg``'s reservation once (``on_task_started``); count its prefill if it held."""
+        """Commit ``leg``'s reservation once, the node having started it (``on_task_reported_started``,
+        which re-opens one this router revoked in the meantime); count its prefill if it held."""
         leg.committed = True
-        leg.held = bool(leg.scheduler.on_task_started(leg.reservation_id, now_s))
+        started = getattr(leg.scheduler, "on_task_reported_started", None) or leg.scheduler.on_task_started
+        leg.held = bool(started(leg.reservation_id, now_s))
         if leg.held:
             prefill = leg.scheduler.ledger.held_by(leg.reservation_id).prefill_tokens
             self.m_borrowed_tokens.inc(node, amount=float(prefill))

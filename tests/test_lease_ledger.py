@@ -107,6 +107,34 @@ def test_revoke_to_zero_keeps_committed_work_and_blocks_new() -> None:
         ledger.revoke(0, 1.0, shrink_to=B(1))
 
 
+def test_a_revoked_reservation_its_node_had_started_is_reinstated_as_committed_work() -> None:
+    """``reinstate``: a router revoked a reservation its node had already started; it comes back as
+    committed work holding what it held, on the current lease epoch, counted in ``held`` (so the next
+    lease carries it) and released as usual. Nothing else re-opens: not a released or an expired
+    reservation, not one reinstated already."""
+    ledger = LeaseLedger()
+    ledger.publish(0, B(100, 100, 0, 10, 2), 0.0, 5.0)
+    raced = ledger.reserve(0, B(30, 20, 0, 5, 1), 0.0)
+    other = ledger.reserve(0, B(10, 10, 0, 5, 1), 0.0)
+    assert raced and other
+    assert ledger.revoke(0, 1.0) == [raced.reservation_id, other.reservation_id]
+    assert ledger.reinstate(raced.reservation_id)
+    assert ledger.status(raced.reservation_id) == "committed"
+    assert ledger.get(raced.reservation_id).epoch == ledger.lease(0).epoch  # type: ignore[union-attr]
+    assert ledger.held(0, committed=True) == B(30, 20, 0, 5, 1) and ledger.pending_ids(0) == []
+    assert ledger.reinstate(raced.reservation_id) is False, "only once"
+    assert ledger.status(other.reservation_id) == "revoked"
+    ledger.publish(0, B(100, 100, 0, 10, 2), 2.0, 5.0)
+    assert ledger.available(0, 2.0) == B(70, 80, 0, 5, 1), "the next lease counts it"
+    ledger.release(raced.reservation_id)
+    assert ledger.status(raced.reservation_id) == "released" and not ledger.reinstate(raced.reservation_id)
+    late = ledger.reserve(0, B(1, 1, 0, 1, 1), 2.0)
+    assert late and ledger.expire(10.0) == [late.reservation_id]
+    assert ledger.reinstate(late.reservation_id) is False, "an expired reservation stays closed"
+    with pytest.raises(KeyError):
+        ledger.reinstate(999)
+
+
 def test_expiry_closes_uncommitted_only_and_partial_release() -> None:
     ledger = LeaseLedger()
     ledger.publish(0, B(100, 100, 10, 100, 2), 0.0, 1.0)

@@ -176,6 +176,31 @@ def test_pause_on_worse_conditions_then_fallback_before_first_token() -> None:
     assert [r["verdict"] for r in arrival] == ["pause", "fallback"] and "ITL target" in arrival[0]["reason"]
 
 
+def test_a_start_reported_after_the_revocation_reinstates_the_task_and_the_next_lease_carries_it() -> None:
+    """A router learns of starts from its nodes' reports: a task its node started just before the
+    control interval that revoked it (decode pressure) is reported started after it. The node goes
+    on running it, so ``on_task_reported_started`` re-opens it as committed and the next lease is the
+    headroom plus what it holds, as the simulator (which never revokes a started task) publishes."""
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0)])
+    d = sched.choose_path(query(input_tokens=2_000), 0.0)
+    rid = d.reservation_id
+    assert rid is not None and sched.on_task_arrival(rid, calm(0), 0.1) == "run"
+    assert sched.on_control_interval(0.5, [calm(0, queued_decode_requests=1)]) == [rid]
+    assert sched.on_task_reported_started(rid, 0.51), "the node had started it"
+    assert sched.ledger.status(rid) == "committed" and sched.records[-1]["kind"] == "reinstated"
+    sched.on_control_interval(1.0, [calm(0)])
+    headroom = sched.policy_for(0).propose(calm(0))
+    assert sched.ledger.lease(0).budgets == headroom + sched.ledger.held_by(rid)  # type: ignore[union-attr]
+    assert sched.ledger.available(0, 1.0) == headroom
+    sched.on_prefill_done(rid)
+    sched.on_request_finished(rid)
+    assert sched.ledger.held(0).is_zero()
+    expired = sched.choose_path(query(1, input_tokens=2_000), 1.0).reservation_id
+    assert expired is not None and sched.on_task_arrival(expired, calm(0), 2.5) == "fallback"
+    assert not sched.on_task_reported_started(expired, 2.5), "an expired one stays closed"
+
+
 def test_expired_lease_falls_back() -> None:
     sched = make_scheduler()
     sched.on_control_interval(0.0, [calm(0)])
