@@ -20,11 +20,14 @@ Rules (the contract the property tests check):
   zero) applies the same rule to a smaller lease.
 * A reservation whose lease has expired, or that was revoked, can never be committed: ``commit``
   returns ``False`` (the caller falls back to the normal path). Unknown ids raise ``KeyError``.
-* ``reinstate`` re-opens a revoked reservation as committed, holding what it held: its node had
-  started it before the revocation reached it (a router's ledger learns of starts from the nodes'
-  reports, a little after they happen). Like any committed work it may over-commit the lease.
 * Therefore, on every node at every moment: if any un-committed reservation is active, the held total
   fits within the current lease; otherwise only committed work (admitted under some lease) is held.
+* The one exception: ``reinstate`` re-opens a revoked reservation as committed, holding what it
+  held. Its node had started it before the revocation reached it (a router's ledger learns of
+  starts from the nodes' reports, a little after they happen). Like any committed work it may
+  over-commit the lease. Un-committed reservations already beside it stay until the node's next
+  ``publish`` or ``revoke``, which carries over only those that fit. Nothing new can be reserved
+  on the node meanwhile.
 
 All methods take a per-instance re-entrant lock, so an HTTP router's threads cannot double-spend.
 Everything is deterministic: ids count up from 1 per ledger, carry-over walks reservations in id order.
