@@ -216,8 +216,15 @@ def _reason_table(sim: Counter[str], router: Counter[str]) -> list[str]:
 
 
 def agree(args: argparse.Namespace) -> None:
+    # The router refuses a request past the model's context window with a 400, as SGLang does, so the
+    # simulator it is held to rejects those too (its default, "compact", would cut and serve them).
     point = Point(
-        policy=args.policy, trace=args.trace, shape=args.shape, max_requests=args.requests, load=args.load
+        policy=args.policy,
+        trace=args.trace,
+        shape=args.shape,
+        max_requests=args.requests,
+        load=args.load,
+        cluster_overrides=(("context_policy", "reject"),),
     )
     trace = prepare_trace(point)
     run, sim_log = simulate_point(point, trace, log=True)

@@ -521,7 +521,14 @@ def test_heuristic_through_the_router_agrees_with_simulate(load: float) -> None:
     from serving.replay import ReplayConfig, replay
     from train.experiment import Point, phase_neighbourhood, prepare_trace, simulate_at_phase
 
-    point = Point(policy="heuristic", trace="mooncake-synthetic", shape="2P4D", max_requests=60, load=load)
+    point = Point(
+        policy="heuristic",
+        trace="mooncake-synthetic",
+        shape="2P4D",
+        max_requests=60,
+        load=load,
+        cluster_overrides=(("context_policy", "reject"),),  # as the router refuses past the window
+    )
     trace = prepare_trace(point)
     config, cm = point.cluster(), point.cost_model()
     with _stack(
