@@ -139,10 +139,12 @@ class PrefillWorker:
 
 @dataclass
 class StepWindow:
-    """A decode worker's iterations that ended in the last ``window_s`` seconds, with their sums:
-    what a real worker's plugin averages its recent step times over whenever it is read
-    (``serving.sglang_plugin``'s trailing window), kept exactly instead of the simulator's
-    per-control-interval counters. Only an emulated cluster turns it on (``DecodeWorker.step_log``)."""
+    """A decode worker's iterations that ended in the last ``window_s`` seconds, with their sums: the
+    window a real worker's plugin reads its recent step times over (``(now - window_s, now]``, as
+    ``serving.sglang_plugin``'s trailing window), kept exactly instead of the simulator's
+    per-control-interval counters. What is summed is the simulator's: every iteration's time and
+    its decode-only estimate (the plugin's decode-only mean covers pure decode steps only). Only an
+    emulated cluster turns it on (``DecodeWorker.step_log``)."""
 
     window_s: float
     steps: deque[tuple[float, int, int, int]] = field(default_factory=deque)

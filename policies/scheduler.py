@@ -532,7 +532,8 @@ class ClusterScheduler:
         reached it (a router learns of starts from the node's reports, a little late): commit it, or
         re-open it as committed if this ledger revoked it (``LeaseLedger.reinstate``), so the leases
         that follow count the work the node goes on running, as the simulator, which never revokes a
-        started task, does. ``False``: it expired or was released (the node aborts it on its own)."""
+        started task, does. ``False``: it expired (the node aborts it on its own); ``KeyError`` for
+        one already released, as ``LeaseLedger.commit``."""
         with self._lock:
             if self.ledger.commit(reservation_id, now_s):
                 return True

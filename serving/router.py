@@ -629,6 +629,12 @@ class Router:
         self.m_revocations = r.counter(
             "crossflow:lease_revocations_total", "Reservations revoked by a lease update.", ("node",)
         )
+        self.m_reinstatements = r.counter(
+            "crossflow:lease_reinstatements_total",
+            "Revoked reservations re-opened because the node reported it had started them first "
+            "(each is also in lease_revocations_total).",
+            ("node",),
+        )
         self.m_reports = r.counter(
             "crossflow:lease_reports_total", "Node states reported by lease agents.", ("node",)
         )
@@ -1294,7 +1300,11 @@ class Router:
         which re-opens one this router revoked in the meantime); count its prefill if it held."""
         leg.committed = True
         started = getattr(leg.scheduler, "on_task_reported_started", None) or leg.scheduler.on_task_started
+        ledger = leg.scheduler.ledger
+        was_revoked = ledger.status(leg.reservation_id) == "revoked"
         leg.held = bool(started(leg.reservation_id, now_s))
+        if leg.held and was_revoked:
+            self.m_reinstatements.inc(node)
         if leg.held:
             prefill = leg.scheduler.ledger.held_by(leg.reservation_id).prefill_tokens
             self.m_borrowed_tokens.inc(node, amount=float(prefill))
