@@ -51,6 +51,7 @@ from envs.cost_model import CostModel
 from envs.estimator import ClusterEstimator
 from envs.live import LiveCluster
 from envs.request import Trace
+from policies.lease_path import without_prefix_pulls
 from serving.gateways import Gateway, GatewaySpec, missing_reason
 from serving.node_leases import WireLeases
 from serving.pd_cluster import BackgroundCluster, EmulatedCluster
@@ -126,7 +127,8 @@ def simulate_point(point: Point, trace: Trace, *, delay_s: float | None = None, 
     leases are out before the first request, and every arrival comes that much later, so the control
     grid meets the arrivals at another phase. Returns ``(result, DecisionLog or None)``."""
     config, cm = point.cluster(), point.cost_model()
-    scheduler = build_scheduler(point.policy, config, cm)
+    # what the router serves: no node can pull a prefill worker's cached prefix (without_prefix_pulls)
+    scheduler = without_prefix_pulls(build_scheduler(point.policy, config, cm))
     decisions = DecisionLog(scheduler) if log and scheduler is not None else None
     return simulate_at_phase(point, trace, scheduler, delay_s), decisions
 

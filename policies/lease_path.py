@@ -52,7 +52,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from policies.context import CostEstimator, PolicyContext
 from policies.lease import LeaseBudgets
@@ -155,6 +155,9 @@ class LeasePath(PathPolicy):
             ``"fastest"`` (the earliest first token) or ``"least_kv_load"`` (the node whose decode KV
             the router counts lowest, ``PathQuery.decode_kv_load_tokens``, then the fastest): a
             borrowed request decodes where it was prefilled, outside the decode router's balance.
+        prefix_pull: a borrow may pull a prefix cached on the normal path's prefill worker into the
+            node instead of computing it (the lease's ``transfer_tokens``). Off where the nodes
+            cannot: the served path has no protocol for it (``without_prefix_pulls``).
     """
 
     uses_leases = True
@@ -180,8 +183,10 @@ class LeasePath(PathPolicy):
         mixed_share_rescue_ceiling: float | None = None,
         lender_choice: LenderChoice = "fastest",
         mixed_share_ceiling_lift: float | None = None,
+        prefix_pull: bool = True,
     ) -> None:
         super().__init__()
+        self.prefix_pull = prefix_pull
         if mixed_share_ceiling_lift is not None and not (
             0 <= mixed_share_ceiling_lift < 1 and mixed_share_rescue_ceiling is not None
         ):
@@ -389,7 +394,7 @@ class LeasePath(PathPolicy):
         best: _BorrowOption | None = None
         # Either compute everything not cached locally, or pull the prefill worker's longer cached prefix.
         pulls = [0]
-        if q.prefill_cached_tokens > local_cached:
+        if self.prefix_pull and q.prefill_cached_tokens > local_cached:
             pulls.append(min(q.prefill_cached_tokens, q.input_tokens) - local_cached)
         for pull in pulls:
             new_tokens = q.input_tokens - local_cached - pull
@@ -530,6 +535,7 @@ def _make_lease_path(
     mixed_share_rescue_ceiling: float | None = None,
     lender_choice: LenderChoice = "fastest",
     mixed_share_ceiling_lift: float | None = None,
+    prefix_pull: bool = True,
 ) -> LeasePath:
     return LeasePath(
         ctx.cost,
@@ -550,7 +556,23 @@ def _make_lease_path(
         mixed_share_rescue_ceiling=mixed_share_rescue_ceiling,
         lender_choice=lender_choice,
         mixed_share_ceiling_lift=mixed_share_ceiling_lift,
+        prefix_pull=prefix_pull,
     )
+
+
+_S = TypeVar("_S")
+
+
+def without_prefix_pulls(scheduler: _S) -> _S:
+    """``scheduler`` with its path policy planning no prefix pulls (``LeasePath.prefix_pull`` off):
+    what the served path can run, as neither the router nor the SGLang plugin has a protocol to
+    pull a prefill worker's cached prefix into a lending node, so a node computes the whole prompt
+    and reserves it all. The router applies it to the scheduler it serves; a simulation held to a
+    served run applies it too. A scheduler whose path policy is not a ``LeasePath`` is unchanged."""
+    path = getattr(scheduler, "path", None)
+    if isinstance(path, LeasePath):
+        path.prefix_pull = False
+    return scheduler
 
 
 register_path_policy(
@@ -574,4 +596,5 @@ __all__ = [
     "DecayedSum",
     "LeasePath",
     "prefill_pool_tokens_per_s",
+    "without_prefix_pulls",
 ]

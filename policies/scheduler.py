@@ -538,9 +538,7 @@ class ClusterScheduler:
             if self.ledger.commit(reservation_id, now_s):
                 return True
             if self.ledger.reinstate(reservation_id):
-                self.records.append(
-                    {"kind": "reinstated", "time_s": now_s, "reservation_id": reservation_id}
-                )
+                self.records.append({"kind": "reinstated", "time_s": now_s, "reservation_id": reservation_id})
                 return True
             return False
 

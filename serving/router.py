@@ -73,6 +73,7 @@ import numpy as np
 from envs.live import PrefixResolver
 from policies.chunk_limits import ChunkLimits
 from policies.lease import LeaseBudgets
+from policies.lease_path import without_prefix_pulls
 from policies.node_policies import DecodePressureRule
 from policies.node_state import NodeState
 from policies.path import PathDecision, PathQuery
@@ -487,7 +488,7 @@ class Router:
         if scheduler is not None and estimator is None:
             raise ValueError("a router with a scheduler needs the cluster estimator (queue-wait timing)")
         self.config = config
-        self.scheduler = scheduler
+        self.scheduler = without_prefix_pulls(scheduler)  # no node here can pull a cached prefix
         self.estimator = estimator
         self.policy = policy or PolicyInfo("static")
         self.policy_loader = policy_loader
@@ -768,7 +769,7 @@ class Router:
                 raise ValueError("a router with a scheduler needs the cluster estimator (queue-wait timing)")
             await self._stop_control_loop()
             previous = self.policy
-            self.scheduler, self.policy = scheduler, info
+            self.scheduler, self.policy = without_prefix_pulls(scheduler), info
             self.policy_generation += 1
             self._start_control_loop()
             if scheduler is None:

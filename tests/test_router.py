@@ -420,6 +420,21 @@ def test_a_prefill_worker_killed_while_its_decode_leg_waits_aborts_that_leg_and_
         assert 'crossflow:retries_total{cause="transport"} 1' in stack.router.registry.exposition()
 
 
+def test_the_router_serves_its_scheduler_without_prefix_pulls() -> None:
+    """No served node can pull a prefill worker's cached prefix (the router, its workers and the
+    plugin have no protocol for it), so the router's path policy never plans one
+    (``without_prefix_pulls``, applied to the scheduler it starts with and to a reloaded one)."""
+    from serving.router import Router, RouterConfig
+
+    cm = CostModel(*MODEL)
+    config = ClusterConfig(n_prefill=1, n_decode=1)
+    served = build_scheduler("heuristic", config, cm)
+    assert served.path.prefix_pull
+    router_config = RouterConfig(prefill=(("http://127.0.0.1:1", None),), decode=("http://127.0.0.1:2",))
+    router = Router(router_config, scheduler=served, estimator=ClusterEstimator(config, cm))
+    assert router.scheduler is served and not served.path.prefix_pull
+
+
 def test_a_lease_revoked_while_borrowed_work_is_queued_falls_back_before_its_first_token() -> None:
     cm = CostModel(*MODEL)
     config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
@@ -517,6 +532,7 @@ def test_heuristic_through_the_router_agrees_with_simulate(load: float) -> None:
     out before the first request as the router's are: each figure within that range widened by the
     aim (input throughput 10 %, mean TTFT 20 %, mean ITL 10 %, the borrowed share 5 points).
     ``benchmarks/bench_router.py agree`` prints the router's difference from the median there."""
+    from policies.lease_path import without_prefix_pulls
     from serving.node_leases import WireLeases
     from serving.replay import ReplayConfig, replay
     from train.experiment import Point, phase_neighbourhood, prepare_trace, simulate_at_phase
@@ -542,8 +558,10 @@ def test_heuristic_through_the_router_agrees_with_simulate(load: float) -> None:
         completed = {k[0]: v for k, v in stack.router.m_completed.values.items()}
         phase_s = stack.router.control_phase_s()
     assert phase_s is not None
-    runs = [
-        simulate_at_phase(point, trace, build_scheduler("heuristic", config, cm), delay_s)
+    runs = [  # as the router serves it: no node pulls a prefill worker's cached prefix
+        simulate_at_phase(
+            point, trace, without_prefix_pulls(build_scheduler("heuristic", config, cm)), delay_s
+        )
         for delay_s in phase_neighbourhood(phase_s, config.control_interval_s)
     ]
     names = ("input_tokens_per_s", "ttft_mean_s", "itl_mean_s", "borrowed_share")

@@ -101,6 +101,23 @@ def test_borrow_pulls_a_prefix_cached_on_the_prefill_worker_when_faster() -> Non
     assert (held.prefill_tokens, held.transfer_tokens) == (1_000, 9_000)
 
 
+def test_without_prefix_pulls_a_borrow_computes_the_whole_prompt_as_a_served_node_does() -> None:
+    """The served path has no protocol to pull a prefill worker's cached prefix into a lending node
+    (``without_prefix_pulls``, which the router applies: ``tests/test_router.py``): the same query
+    then reserves all 10 000 tokens as prefill and no transfer, as the node itself reserves them,
+    and costs their compute."""
+    from policies.lease_path import without_prefix_pulls
+
+    sched = without_prefix_pulls(make_scheduler())
+    sched.on_control_interval(0.0, [calm(0)])
+    d = sched.choose_path(query(prefill_cached_tokens=9_000, normal_uncached_tokens=1_000, wait_s=5.0), 0.0)
+    assert d.path == "borrow" and d.est_borrow_s == pytest.approx(0.5)
+    assert d.reservation_id is not None
+    held = sched.ledger.held_by(d.reservation_id)
+    assert (held.prefill_tokens, held.transfer_tokens) == (10_000, 0)
+    assert without_prefix_pulls(None) is None
+
+
 def test_normal_when_borrow_does_not_beat_it_by_the_margin() -> None:
     sched = make_scheduler(safe_tokens_per_s=12_000.0, borrow_margin=0.1)
     sched.on_control_interval(0.0, [calm(0)])
