@@ -90,31 +90,27 @@ def test_borrow_on_the_node_holding_the_session_prefix() -> None:
     assert record["kind"] == "decision" and record["path"] == "borrow" and "node 1" in record["reason"]
 
 
-def test_borrow_pulls_a_prefix_cached_on_the_prefill_worker_when_faster() -> None:
-    sched = make_scheduler()
-    sched.on_control_interval(0.0, [calm(0)])
-    d = sched.choose_path(query(prefill_cached_tokens=9_000, normal_uncached_tokens=1_000, wait_s=5.0), 0.0)
-    # Pull 9_000 (0.009 s) + compute 1_000 (0.05 s) beats computing all 10_000 locally (0.5 s).
-    assert d.path == "borrow" and d.est_borrow_s == pytest.approx(0.059)
-    assert d.reservation_id is not None
-    held = sched.ledger.held_by(d.reservation_id)
-    assert (held.prefill_tokens, held.transfer_tokens) == (1_000, 9_000)
-
-
-def test_without_prefix_pulls_a_borrow_computes_the_whole_prompt_as_a_served_node_does() -> None:
-    """The served path has no protocol to pull a prefill worker's cached prefix into a lending node
-    (``without_prefix_pulls``, which the router applies: ``tests/test_router.py``): the same query
-    then reserves all 10 000 tokens as prefill and no transfer, as the node itself reserves them,
-    and costs their compute."""
+@pytest.mark.parametrize(
+    ("pulls", "est_s", "held_prefill", "held_transfer"),
+    [(True, 0.059, 1_000, 9_000), (False, 0.5, 10_000, 0)],
+    ids=["pull", "served-without-pulls"],
+)
+def test_borrow_pulls_a_prefix_cached_on_the_prefill_worker_when_faster_and_allowed(
+    pulls: bool, est_s: float, held_prefill: int, held_transfer: int
+) -> None:
+    """Pulling 9 000 cached tokens (0.009 s) and computing 1 000 (0.05 s) beats computing all 10 000
+    locally (0.5 s). The served path has no protocol for a pull (``without_prefix_pulls``, which
+    the router applies: ``tests/test_router.py``), so there the borrow reserves and costs all
+    10 000 tokens of prefill and no transfer, as the node itself reserves them."""
     from policies.lease_path import without_prefix_pulls
 
-    sched = without_prefix_pulls(make_scheduler())
+    sched = make_scheduler() if pulls else without_prefix_pulls(make_scheduler())
     sched.on_control_interval(0.0, [calm(0)])
     d = sched.choose_path(query(prefill_cached_tokens=9_000, normal_uncached_tokens=1_000, wait_s=5.0), 0.0)
-    assert d.path == "borrow" and d.est_borrow_s == pytest.approx(0.5)
+    assert d.path == "borrow" and d.est_borrow_s == pytest.approx(est_s)
     assert d.reservation_id is not None
     held = sched.ledger.held_by(d.reservation_id)
-    assert (held.prefill_tokens, held.transfer_tokens) == (10_000, 0)
+    assert (held.prefill_tokens, held.transfer_tokens) == (held_prefill, held_transfer)
     assert without_prefix_pulls(None) is None
 
 
