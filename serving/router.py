@@ -1307,7 +1307,7 @@ class Router:
         if leg.held and was_revoked:
             self.m_reinstatements.inc(node)
         if leg.held:
-            prefill = leg.scheduler.ledger.held_by(leg.reservation_id).prefill_tokens
+            prefill = ledger.held_by(leg.reservation_id).prefill_tokens
             self.m_borrowed_tokens.inc(node, amount=float(prefill))
 
     @staticmethod
