@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -66,6 +67,7 @@ from train.experiment import (
     prepare_trace,
     simulate_at_phase,
 )
+from train.stats import difference_interval, log_ratio_interval, mean_interval
 
 
 def _on(background: BackgroundCluster, coro: Any) -> Any:
@@ -230,7 +232,34 @@ def agree(args: argparse.Namespace) -> None:
     )
     trace = prepare_trace(point)
     run, sim_log = simulate_point(point, trace, log=True)
-    sim = run.metrics
+    gaps: list[tuple[float, ...]] = []
+    rows: list[tuple[float, ...]] = []
+    for k in range(args.runs):
+        if args.runs > 1:
+            print(f"=== replay {k + 1} of {args.runs}", flush=True)
+        row, gap = _replay_once(args, point, trace, run.metrics, sim_log)
+        rows.append(row)
+        if gap is not None:
+            gaps.append(gap)
+    if args.runs > 1:
+        for line in _pooled(gaps):
+            print(line)
+        if args.sim_phases > 1 and not trace.closed_loop:
+            interval_s = point.cluster().control_interval_s
+            phases = [
+                _simulated_row(point, trace, k / args.sim_phases * interval_s) for k in range(args.sim_phases)
+            ]
+            for line in _against_phases(rows, phases):
+                print(line)
+
+
+def _replay_once(
+    args: argparse.Namespace, point: Point, trace: Trace, sim: Any, sim_log: DecisionLog | None
+) -> tuple[tuple[float, ...], tuple[float, ...] | None]:
+    """One replay through a fresh emulated cluster and router, printed against ``sim`` (the point
+    simulated at phase 0) and the simulator at the router's own phase; returns the router's four
+    figures and its gaps from that neighbourhood's medians (``_spread``; ``None`` on a closed-loop
+    trace, which has no phase)."""
     config, cm = point.cluster(), point.cost_model()
     if args.node_leases == "wire":  # the nodes install the router's leases, as with the plugin
         nodes: Any = WireLeases(config.n_decode, burst_s=config.control_interval_s)
@@ -295,11 +324,14 @@ def agree(args: argparse.Namespace) -> None:
         float(m["itl_mean_s"]) * 1e3,
         share,
     )
+    gap = None
     if not trace.closed_loop:
-        for line in _references(point, trace, phase_s, args.sim_phases, router_row):
+        lines, gap = _references(point, trace, phase_s, args.sim_phases, router_row)
+        for line in lines:
             print(line)
     for line in stuck + _unfinished(result.records):
-        print(line)
+        print(line, flush=True)
+    return router_row, gap
 
 
 AGREEMENT_AIMS = (0.10, 0.20, 0.10, 0.05)
@@ -307,45 +339,125 @@ AGREEMENT_AIMS = (0.10, 0.20, 0.10, 0.05)
 within these fractions, the borrowed share within this many points (as a fraction)."""
 
 
+_SIMULATED: dict[tuple[Point, float], tuple[float, ...]] = {}
+
+
+def _simulated_row(point: Point, trace: Trace, delay_s: float) -> tuple[float, ...]:
+    """``_metrics_row`` of ``simulate_point(point, trace, delay_s=delay_s)`` and, fifth, the number of
+    requests that fell back there; remembered (a point at a delay is deterministic, and every replay
+    of a ``--runs`` series asks for the same phases)."""
+    key = (point, delay_s)
+    if key not in _SIMULATED:
+        m = simulate_point(point, trace, delay_s=delay_s)[0].metrics
+        _SIMULATED[key] = (*_metrics_row(m), round(m.fallback_share * m.n_requests))
+    return _SIMULATED[key]
+
+
+METRIC_NAMES = ("input tokens/s", "mean TTFT (s)", "mean ITL (ms)", "borrowed share")
+
+
+def _verdict(gap: float, i: int) -> str:
+    aim = AGREEMENT_AIMS[i]
+    return f"{'met' if abs(gap) <= aim + 1e-9 else 'MISSED'} ({aim * 100:g}{'pt' if i == 3 else ' %'})"
+
+
 def _spread(
     point: Point, trace: Trace, delays: list[float], heading: str, router: tuple[float, ...]
-) -> list[str]:
+) -> tuple[list[str], tuple[float, ...]]:
     """The simulator with its control grid ``delays`` seconds ahead of the arrivals (leases out from
     the start): each figure's range and median, and the router's difference from the median against
-    the aims."""
-    runs = [simulate_point(point, trace, delay_s=d)[0] for d in delays]
-    a = np.array([_metrics_row(r.metrics) for r in runs])
+    the aims. Returns the lines and the router's gaps: its ratio to the median for the first three
+    figures, its difference in share (a fraction) for the last."""
+    a = np.array([_simulated_row(point, trace, d) for d in delays])
     lines = [heading]
     lines.append(f"{'':24}{'min':>10}{'median':>10}{'max':>10}{'router':>10}{'diff':>10}  aim")
-    names = ("input tokens/s", "mean TTFT (s)", "mean ITL (ms)", "borrowed share")
-    for i, name in enumerate(names):
+    gaps = []
+    for i, name in enumerate(METRIC_NAMES):
         lo, med, hi = a[:, i].min(), float(np.median(a[:, i])), a[:, i].max()
         gap = router[i] - med if i == 3 else (router[i] - med) / med
+        gaps.append(gap if i == 3 else router[i] / med)
         diff = f"{gap * 100:>+9.1f}pt" if i == 3 else f"{gap:>+10.1%}"
-        aim = AGREEMENT_AIMS[i]
-        verdict = f"{'met' if abs(gap) <= aim + 1e-9 else 'MISSED'} ({aim * 100:g}{'pt' if i == 3 else ' %'})"
-        lines.append(f"{name:<24}{lo:>10.4g}{med:>10.4g}{hi:>10.4g}{router[i]:>10.4g}{diff}  {verdict}")
+        row = f"{name:<24}{lo:>10.4g}{med:>10.4g}{hi:>10.4g}{router[i]:>10.4g}{diff}"
+        lines.append(f"{row}  {_verdict(gap, i)}")
     by_delay = " ".join(f"{d:.3f}s {x:.3f}" for d, x in zip(delays, a[:, 3], strict=True))
     lines.append(f"borrowed shares by delay: {by_delay}")
-    return lines
+    lines.append(f"simulator fallbacks by delay: {' '.join(str(int(x)) for x in a[:, 4])}")
+    return lines, tuple(gaps)
 
 
 def _references(
     point: Point, trace: Trace, phase_s: float | None, n_phases: int, router: tuple[float, ...]
-) -> list[str]:
+) -> tuple[list[str], tuple[float, ...] | None]:
     """The router's figures against the simulator at the router's own phase (and its neighbourhood),
-    then, with ``n_phases``, at that many phases spread over the control interval."""
+    then, with ``n_phases``, at that many phases spread over the control interval. Returns the lines
+    and the router's gaps from the neighbourhood (``_spread``; ``None`` without a phase)."""
     interval_s = point.cluster().control_interval_s
     lines: list[str] = []
+    gaps = None
     if phase_s is not None:
         heading = (
             f"simulate at the router's phase (its first request {phase_s:.4f} s after its first control "
             f"interval) and {PHASE_STEPS} steps of {PHASE_STEP_S:g} s either side:"
         )
-        lines += _spread(point, trace, phase_neighbourhood(phase_s, interval_s), heading, router)
+        spread, gaps = _spread(point, trace, phase_neighbourhood(phase_s, interval_s), heading, router)
+        lines += spread
     if n_phases > 0:
         heading = f"simulate at {n_phases} phases of the control grid (leases out from the start):"
-        lines += _spread(point, trace, [k / n_phases * interval_s for k in range(n_phases)], heading, router)
+        delays = [k / n_phases * interval_s for k in range(n_phases)]
+        lines += _spread(point, trace, delays, heading, router)[0]
+    return lines, gaps
+
+
+def _pooled(gaps: list[tuple[float, ...]]) -> list[str]:
+    """Over the replays of a ``--runs`` series, each paired with the simulator's median at its own
+    phase: the mean gap per figure with its 95 % interval (relative figures as the geometric mean
+    ratio, from the per-replay log-ratios; the share in points) against the aims. ``met`` reads the
+    mean; ``interval inside`` says whether the whole interval lies within the aim."""
+    if not gaps:
+        return ["pooled: no replay had a control phase to pair with (a closed-loop trace)"]
+    lines = [
+        f"pooled over {len(gaps)} replays, each against the simulator's median at its own phase "
+        "(mean gap, 95 % interval):"
+    ]
+    for i, name in enumerate(METRIC_NAMES):
+        if i == 3:
+            iv = mean_interval(g[i] for g in gaps)
+            text = f"{iv.mean * 100:+.1f}pt [{iv.low * 100:+.1f}, {iv.high * 100:+.1f}]"
+        else:
+            iv = log_ratio_interval(math.log(g[i]) for g in gaps)
+            text = f"{iv.mean:+.1%} [{iv.low:+.1%}, {iv.high:+.1%}]"
+        aim = AGREEMENT_AIMS[i]
+        inside = iv.n >= 2 and -aim - 1e-9 <= iv.low and iv.high <= aim + 1e-9
+        per_run = " ".join(f"{(g[i] if i == 3 else g[i] - 1) * 100:+.1f}" for g in gaps)
+        lines.append(
+            f"{name:<24}{text:>28}  {_verdict(iv.mean, i)}, interval {'inside' if inside else 'not inside'}"
+            f"  (replays: {per_run})"
+        )
+    return lines
+
+
+def _against_phases(router: list[tuple[float, ...]], phases: list[tuple[float, ...]]) -> list[str]:
+    """The replays against the simulator over the phases of its control grid, as two independent
+    samples (the router's phase is known only to a few milliseconds of network time, and the
+    simulator's answer moves by more than the aims within that): the ratio of geometric means for the
+    first three figures, the difference of mean shares, each with its Welch 95 % interval."""
+    lines = [
+        f"the {len(router)} replays against the simulator at {len(phases)} phases (mean gap, 95 % interval):"
+    ]
+    for i, name in enumerate(METRIC_NAMES):
+        if i == 3:
+            iv = difference_interval((r[i] for r in router), (p[i] for p in phases))
+            mean, low, high = iv.mean, iv.low, iv.high
+            text = f"{mean * 100:+.1f}pt [{low * 100:+.1f}, {high * 100:+.1f}]"
+        else:
+            iv = difference_interval((math.log(r[i]) for r in router), (math.log(p[i]) for p in phases))
+            mean, low, high = math.expm1(iv.mean), math.expm1(iv.low), math.expm1(iv.high)
+            text = f"{mean:+.1%} [{low:+.1%}, {high:+.1%}]"
+        aim = AGREEMENT_AIMS[i]
+        inside = iv.n >= 2 and -aim - 1e-9 <= low and high <= aim + 1e-9
+        lines.append(
+            f"{name:<24}{text:>28}  {_verdict(mean, i)}, interval {'inside' if inside else 'not inside'}"
+        )
     return lines
 
 
@@ -520,6 +632,12 @@ def main() -> None:
         default=8,
         help="also simulate at this many phases of the control grid against the arrivals and print "
         "the spread (0: off)",
+    )
+    a.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="replay this many times (a fresh cluster and router each) and pool the gaps (95 %% intervals)",
     )
     a.add_argument("--decisions-out", help="write both sides' per-request path decisions here (JSON lines)")
     o = sub.add_parser("overhead")

@@ -72,3 +72,19 @@ def test_mean_interval_by_hand() -> None:
     assert it.n == 3 and it.mean == pytest.approx(2.0)
     assert (it.low, it.high) == pytest.approx((2 - 4.302653 / math.sqrt(3), 2 + 4.302653 / math.sqrt(3)))
     assert stats.log_ratio(0.0, 1.0) != stats.log_ratio(0.0, 1.0)  # NaN: no ratio with a zero
+
+
+def test_difference_interval_by_hand() -> None:
+    xs, ys = [1.0, 2.0, 3.0], [0.0, 0.0, 1.0, 3.0]
+    it = stats.difference_interval(xs, ys)
+    vx, vy = 1.0 / 3, 2.0 / 4  # sample variances 1 and 2, over the sizes
+    df = (vx + vy) ** 2 / (vx**2 / 2 + vy**2 / 3)  # 4.86: rounded down to 4
+    half = 2.776445 * math.sqrt(vx + vy)
+    assert math.floor(df) == 4
+    assert it.n == 3 and it.mean == pytest.approx(1.0)
+    assert (it.low, it.high) == pytest.approx((1.0 - half, 1.0 + half), abs=1e-5)
+    # equal samples with no spread: a point; one value on a side: no interval, no claim
+    assert stats.difference_interval([2.0, 2.0], [1.0, 1.0, math.nan]) == stats.Interval(1.0, 1.0, 1.0, 2)
+    one = stats.difference_interval([2.0], [1.0, 3.0])
+    assert one.mean == 0.0 and math.isnan(one.low) and not one.excludes_zero()
+    assert stats.difference_interval([], [1.0]) is stats.NO_DATA

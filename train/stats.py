@@ -113,6 +113,28 @@ def log_ratio_interval(log_ratios: Iterable[float], confidence: float = CONFIDEN
     return Interval(math.expm1(mean), math.expm1(low), math.expm1(high), len(xs))
 
 
+def difference_interval(
+    values: Iterable[float], reference: Iterable[float], confidence: float = CONFIDENCE
+) -> Interval:
+    """``mean(values) - mean(reference)`` of two independent samples (the finite entries) and its
+    Welch t-interval, the Welch-Satterthwaite degrees of freedom rounded down (a little wider than
+    exact). ``n`` is the smaller sample's size; bounds NaN unless both have two or more values."""
+    xs, ys = _finite(values), _finite(reference)
+    if not xs or not ys:
+        return NO_DATA
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    n = min(len(xs), len(ys))
+    if n < 2:
+        return Interval(mx - my, math.nan, math.nan, n)
+    vx = sum((x - mx) ** 2 for x in xs) / (len(xs) - 1) / len(xs)
+    vy = sum((y - my) ** 2 for y in ys) / (len(ys) - 1) / len(ys)
+    if vx + vy == 0.0:
+        return Interval(mx - my, mx - my, mx - my, n)
+    df = (vx + vy) ** 2 / (vx**2 / (len(xs) - 1) + vy**2 / (len(ys) - 1))
+    half = t_critical(max(1, math.floor(df)), confidence) * math.sqrt(vx + vy)
+    return Interval(mx - my, mx - my - half, mx - my + half, n)
+
+
 def log_ratio(value: float, reference: float) -> float:
     """``ln(value / reference)``; NaN when either is non-positive or not finite (no ratio exists)."""
     if not (math.isfinite(value) and math.isfinite(reference)) or value <= 0 or reference <= 0:
