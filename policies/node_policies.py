@@ -279,7 +279,11 @@ def decode_pressure_reason(
     """Why decode needs the whole node now, or ``None`` (decode always wins): decode requests queued
     for admission, KV occupancy above the watermark (without the KV pre-allocated for requests still
     waiting for prefill, with ``discount_prealloc_kv``), a batch near ``max_running_requests``, or the
-    recent step above the ITL target. Shared by every lending policy."""
+    recent step above the ITL target while a decode batch runs. Shared by every lending policy.
+
+    A slow recent step on a node with no decode batch and none queued was borrowed prefill with no
+    decode token beside it: no inter-token latency to protect, so it is not pressure (a decode that
+    joins later gets its iterations' borrowed chunk capped by the ITL budget, ``ChunkLimits``)."""
     if state.queued_decode_requests > 0:
         return f"{state.queued_decode_requests} decode request(s) queued for admission"
     occupancy = state.kv_decoding_occupancy if discount_prealloc_kv else state.kv_occupancy
@@ -287,7 +291,7 @@ def decode_pressure_reason(
         return f"KV occupancy {occupancy:.3f} above watermark {kv_high_watermark}"
     if state.decode_batch_size >= batch_high_fraction * state.max_running_requests:
         return f"batch {state.decode_batch_size} near max_running_requests {state.max_running_requests}"
-    if state.recent_step_time_s > itl_target_s:
+    if state.decode_batch_size > 0 and state.recent_step_time_s > itl_target_s:
         return f"recent step {state.recent_step_time_s:.4f} s above ITL target {itl_target_s} s"
     return None
 

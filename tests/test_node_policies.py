@@ -144,6 +144,18 @@ def test_heuristic_decode_always_wins(overrides: dict[str, float], reason: str) 
     assert DecodePressureRule.from_dict(rule.to_dict()) == rule
 
 
+def test_a_slow_step_with_no_decode_batch_is_not_decode_pressure() -> None:
+    """Slow recent steps on a node with no decode batch and none queued were borrowed prefill alone:
+    no inter-token latency to protect, so the lease stays (and the same rule, sent to a node without
+    a policy, does not hold its borrowed work back). With a batch, or a decode queued, it is pressure."""
+    policy = HeuristicPolicy(FakePredictor(), itl_target_s=0.05)
+    idle = state(decode_batch_size=0, kv_used_tokens=0, recent_step_time_s=0.27)
+    assert policy.decode_pressure(idle) is None and not policy.propose(idle).is_zero()
+    assert policy.pressure_rule().reason(idle) is None
+    assert "above ITL target" in (policy.decode_pressure(replace(idle, decode_batch_size=1)) or "")
+    assert "queued" in (policy.decode_pressure(replace(idle, queued_decode_requests=1)) or "")
+
+
 def test_heuristic_shrinks_monotonically_with_batch() -> None:
     policy = HeuristicPolicy(FakePredictor())
     budgets = [policy.propose(state(decode_batch_size=b)).prefill_tokens for b in (0, 4, 8, 16, 28, 29)]
