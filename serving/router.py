@@ -511,6 +511,9 @@ class Router:
         block = -(-BLOCK_TOKENS // config.page_tokens) * config.page_tokens
         max_pages = config.cache_aware.max_tree_size // (CHARS_PER_TOKEN * block)
         self._prefill_trees = PageTrees(len(self.prefill), block, max_pages)
+        self._computed_trees = PageTrees(len(self.prefill), block, max_pages)
+        """The prefixes each prefill worker has computed (a prompt enters when its prefill ends), what
+        its own cache can hold; ``_prefill_trees`` has them from dispatch, as the gateway routes."""
         self._decode_trees = PageTrees(len(self.decode), block, max_pages)
         self._hasher = PrefixResolver(block)
         timing = estimator.prefill_iteration_time_s if estimator is not None else None
@@ -1157,12 +1160,18 @@ class Router:
         if p is not None:
             self.prefill_pool.dispatched(p.idx)
             n_in = len(gen.token_ids)
-            cached = min(self._prefill_trees.match_tokens(p.idx, flight.hashes, n_in), n_in - 1)
+            # the queue counts what the worker will compute: only a prefix a prompt it finished brought
+            # is in its cache (one still queued there is not, as the simulator's worker counts it)
+            cached = min(self._computed_trees.match_tokens(p.idx, flight.hashes, n_in), n_in - 1)
             flight.prefill_entry = self._prefill_queues[p.idx].add(n_in - cached, cached, self.now_s())
             self._prefill_trees.insert(p.idx, flight.hashes)
 
-    def _prefill_left(self, flight: _Flight, p: Worker) -> None:
-        """The prefill worker is done with the request (answered, failed, or its first token came)."""
+    def _prefill_left(self, flight: _Flight, p: Worker, *, computed: bool = False) -> None:
+        """The prefill worker is done with the request (answered, failed, or its first token came);
+        ``computed``: its prefill ended there (an answer without error, or the first token), so the
+        worker now caches its prompt."""
+        if computed:
+            self._computed_trees.insert(p.idx, flight.hashes)
         if flight.prefill_entry is not None:
             self._prefill_queues[p.idx].remove(flight.prefill_entry, self.now_s())
             flight.prefill_entry = None
@@ -1189,13 +1198,15 @@ class Router:
         # the prefill pool counts the request until its prefill worker answered (policies.routing)
         prefill_task.add_done_callback(lambda _: self.prefill_pool.finished(p.idx))
         decode_task = asyncio.create_task(
-            self._relay(d, leg_body, client, flight, "normal", lambda: self._prefill_left(flight, p))
+            self._relay(
+                d, leg_body, client, flight, "normal", lambda: self._prefill_left(flight, p, computed=True)
+            )
         )
         try:
             done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task in done:
-                self._prefill_left(flight, p)
                 exc = prefill_task.exception()
+                self._prefill_left(flight, p, computed=exc is None)
                 if exc is not None and not (decode_task.done() or client.started):
                     await self._cancel_leg(decode_task, d, rid)  # it would wait for a prefill that is gone
                     raise exc

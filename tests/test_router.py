@@ -435,6 +435,42 @@ def test_the_router_serves_its_scheduler_without_prefix_pulls() -> None:
     assert router.scheduler is served and not served.path.prefix_pull
 
 
+def test_the_prefill_queue_counts_a_shared_prefix_cached_only_once_its_prompt_was_computed() -> None:
+    """The gateway's tree has a prompt's prefix from dispatch (it routes on that), but the worker
+    caches it when the prompt's prefill ends: a second prompt sharing it while the first is still
+    queued there is counted with the prefix to compute, as the simulator's worker counts it; once
+    the first was answered, a third is counted with it cached."""
+    import numpy as np
+
+    from serving.pd_cluster import Generation
+    from serving.router import Router, RouterConfig, _Flight
+
+    router_config = RouterConfig(prefill=(("http://127.0.0.1:1", None),), decode=("http://127.0.0.1:2",))
+    router = Router(router_config)
+    router._prefill_queues = [PrefillQueue(0, lambda chunks: 1e9)]  # nothing computes until answered
+    p, d = router.prefill[0], router.decode[0]
+    shared = list(range(1, 4097))
+
+    def flight(i: int, tail: int) -> _Flight:
+        ids = np.array(shared + [50_000 + i] * tail, dtype=np.int64)
+        gen = Generation("generate", ids, 4, False, f"r{i}", "m")
+        return _Flight(i, gen, router._hasher.page_hashes(ids))
+
+    queue = router._prefill_queues[0]
+    first, second, third = flight(1, 100), flight(2, 200), flight(3, 300)
+    router._enter(first, d, p)
+    router._enter(second, d, p)
+    assert queue.tokens(router.now_s()) == 4196 + 4296, "the shared prefix is not cached yet"
+    assert router._prefill_trees.match_tokens(0, second.hashes, 4296) >= 4000, "the gateway routes on it"
+    router._prefill_left(first, p, computed=True)
+    router._enter(third, d, p)
+    cached = router._computed_trees.match_tokens(0, third.hashes, 4396)
+    assert cached >= 4000
+    assert queue.tokens(router.now_s()) == 4296 + (4396 - cached)
+    router._prefill_left(second, p)  # failed: its prompt is not cached on the worker
+    assert router._computed_trees.match_tokens(0, second.hashes, 4296) == cached
+
+
 def test_a_lease_revoked_while_borrowed_work_is_queued_falls_back_before_its_first_token() -> None:
     cm = CostModel(*MODEL)
     config = ClusterConfig(n_prefill=1, n_decode=1, control_interval_s=0.1)
