@@ -67,7 +67,7 @@ from train.experiment import (
     prepare_trace,
     simulate_at_phase,
 )
-from train.stats import difference_interval, log_ratio_interval, mean_interval
+from train.stats import Interval, difference_interval, log_ratio_interval, mean_interval
 
 
 def _on(background: BackgroundCluster, coro: Any) -> Any:
@@ -419,21 +419,27 @@ def _pooled(gaps: list[tuple[float, ...]]) -> list[str]:
         f"pooled over {len(gaps)} replays, each against the simulator's median at its own phase "
         "(mean gap, 95 % interval):"
     ]
-    for i, name in enumerate(METRIC_NAMES):
+    for i in range(len(METRIC_NAMES)):
         if i == 3:
             iv = mean_interval(g[i] for g in gaps)
-            text = f"{iv.mean * 100:+.1f}pt [{iv.low * 100:+.1f}, {iv.high * 100:+.1f}]"
         else:
             iv = log_ratio_interval(math.log(g[i]) for g in gaps)
-            text = f"{iv.mean:+.1%} [{iv.low:+.1%}, {iv.high:+.1%}]"
-        aim = AGREEMENT_AIMS[i]
-        inside = iv.n >= 2 and -aim - 1e-9 <= iv.low and iv.high <= aim + 1e-9
         per_run = " ".join(f"{(g[i] if i == 3 else g[i] - 1) * 100:+.1f}" for g in gaps)
-        lines.append(
-            f"{name:<24}{text:>28}  {_verdict(iv.mean, i)}, interval {'inside' if inside else 'not inside'}"
-            f"  (replays: {per_run})"
-        )
+        lines.append(f"{_gap_line(i, iv)}  (replays: {per_run})")
     return lines
+
+
+def _gap_line(i: int, iv: Interval) -> str:
+    """Figure ``i``'s pooled gap (a fraction; points for the share) with its interval, the verdict on
+    the mean and whether the whole interval lies within the aim."""
+    aim = AGREEMENT_AIMS[i]
+    if i == 3:
+        text = f"{iv.mean * 100:+.1f}pt [{iv.low * 100:+.1f}, {iv.high * 100:+.1f}]"
+    else:
+        text = f"{iv.mean:+.1%} [{iv.low:+.1%}, {iv.high:+.1%}]"
+    inside = iv.n >= 2 and -aim - 1e-9 <= iv.low and iv.high <= aim + 1e-9
+    where = "inside" if inside else "not inside"
+    return f"{METRIC_NAMES[i]:<24}{text:>28}  {_verdict(iv.mean, i)}, interval {where}"
 
 
 def _against_phases(router: list[tuple[float, ...]], phases: list[tuple[float, ...]]) -> list[str]:
@@ -444,20 +450,13 @@ def _against_phases(router: list[tuple[float, ...]], phases: list[tuple[float, .
     lines = [
         f"the {len(router)} replays against the simulator at {len(phases)} phases (mean gap, 95 % interval):"
     ]
-    for i, name in enumerate(METRIC_NAMES):
+    for i in range(len(METRIC_NAMES)):
         if i == 3:
             iv = difference_interval((r[i] for r in router), (p[i] for p in phases))
-            mean, low, high = iv.mean, iv.low, iv.high
-            text = f"{mean * 100:+.1f}pt [{low * 100:+.1f}, {high * 100:+.1f}]"
         else:
-            iv = difference_interval((math.log(r[i]) for r in router), (math.log(p[i]) for p in phases))
-            mean, low, high = math.expm1(iv.mean), math.expm1(iv.low), math.expm1(iv.high)
-            text = f"{mean:+.1%} [{low:+.1%}, {high:+.1%}]"
-        aim = AGREEMENT_AIMS[i]
-        inside = iv.n >= 2 and -aim - 1e-9 <= low and high <= aim + 1e-9
-        lines.append(
-            f"{name:<24}{text:>28}  {_verdict(mean, i)}, interval {'inside' if inside else 'not inside'}"
-        )
+            logs = difference_interval((math.log(r[i]) for r in router), (math.log(p[i]) for p in phases))
+            iv = Interval(math.expm1(logs.mean), math.expm1(logs.low), math.expm1(logs.high), logs.n)
+        lines.append(_gap_line(i, iv))
     return lines
 
 

@@ -512,8 +512,9 @@ class Router:
         max_pages = config.cache_aware.max_tree_size // (CHARS_PER_TOKEN * block)
         self._prefill_trees = PageTrees(len(self.prefill), block, max_pages)
         self._computed_trees = PageTrees(len(self.prefill), block, max_pages)
-        """The prefixes each prefill worker has computed (a prompt enters when its prefill ends), what
-        its own cache can hold; ``_prefill_trees`` has them from dispatch, as the gateway routes."""
+        """The prefixes each prefill worker has computed (a prompt enters when its prefill ends; bounded
+        as the gateway's tree is, not by the worker's own cache); ``_prefill_trees`` has them from
+        dispatch, as the gateway routes."""
         self._decode_trees = PageTrees(len(self.decode), block, max_pages)
         self._hasher = PrefixResolver(block)
         timing = estimator.prefill_iteration_time_s if estimator is not None else None
