@@ -245,10 +245,7 @@ def agree(args: argparse.Namespace) -> None:
         for line in _pooled(gaps):
             print(line)
         if args.sim_phases > 1 and not trace.closed_loop:
-            interval_s = point.cluster().control_interval_s
-            phases = [
-                _simulated_row(point, trace, k / args.sim_phases * interval_s) for k in range(args.sim_phases)
-            ]
+            phases = [_simulated_row(point, trace, d) for d in _grid_delays(point, args.sim_phases)]
             for line in _against_phases(rows, phases):
                 print(line)
 
@@ -385,6 +382,12 @@ def _spread(
     return lines, tuple(gaps)
 
 
+def _grid_delays(point: Point, n_phases: int) -> list[float]:
+    """``n_phases`` delays spread evenly over the point's control interval (the ``--sim-phases`` grid)."""
+    interval_s = point.cluster().control_interval_s
+    return [k / n_phases * interval_s for k in range(n_phases)]
+
+
 def _references(
     point: Point, trace: Trace, phase_s: float | None, n_phases: int, router: tuple[float, ...]
 ) -> tuple[list[str], tuple[float, ...] | None]:
@@ -403,8 +406,7 @@ def _references(
         lines += spread
     if n_phases > 0:
         heading = f"simulate at {n_phases} phases of the control grid (leases out from the start):"
-        delays = [k / n_phases * interval_s for k in range(n_phases)]
-        lines += _spread(point, trace, delays, heading, router)[0]
+        lines += _spread(point, trace, _grid_delays(point, n_phases), heading, router)[0]
     return lines, gaps
 
 
