@@ -6,16 +6,30 @@ is the *same* KV as page ``j`` of its parent when it lies wholly inside the shar
 page otherwise. So a request's pages form a short list of **segments** ``(origin, first_page,
 end_page)``: runs of pages first computed by request ``origin``.
 
-A worker's cache holds, per origin, how far that origin's run is cached. Lookups walk the segments
-from the root, as a radix tree would, and stop at the first page that is missing. Eviction is LRU
-over origins; a lookup touches ancestors after descendants, so the least recently used entries are
-always leaves and a cached run never loses the pages under it (SGLang's radix cache evicts leaves
+A worker's cache holds, per origin, how far that origin's run is cached. A lookup matches the
+segments from the root, as a radix tree would, and stops at the first page that is missing. Eviction
+is LRU over origins; a lookup touches ancestors after descendants, so the least recently used entries
+are always leaves and a cached run never loses the pages under it (SGLang's radix cache evicts leaves
 first for the same reason).
+
+Two facts make a lookup cost a few dictionary reads however long the request's chain (an agent
+session's hundredth turn has about a hundred segments):
+
+* **Cached origins are closed under ancestors.** An origin's run appears in every request that
+  contains it behind the same segments (its own chain's, cut at the same pages), an insert caches
+  all of a request's segments, and eviction takes leaves only. So along a request's segments the
+  cached ones are a prefix, found by bisection, and every one before the deepest is cached at least
+  to its segment's end: the match is the pages before the deepest cached segment plus what is cached
+  of that one (``PrefixCache._deepest``).
+* **LRU order is a touch counter.** A touch moves a root path's origins to the most recent end,
+  deepest first, so the LRU entry is always the leaf touched least recently. A touch stamps only its
+  deepest origin; an ancestor's last touch is the latest of its own stamp and its evicted
+  descendants', handed up when each is evicted; a heap of leaves by stamp gives the LRU entry.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 
 from envs.request import Request
@@ -23,6 +37,9 @@ from policies.routing import UniformMatches
 
 Segment = tuple[int, int, int]
 """(origin request id, first page, end page) — pages [first, end) were first computed by origin."""
+
+Runs = tuple[tuple[Segment, ...], tuple[int, ...], tuple[int, ...]]
+"""A request's segments, their origins, and the pages of the segments before each (a running sum)."""
 
 
 class PrefixIndex:
@@ -35,7 +52,7 @@ class PrefixIndex:
         self._parent = [r.parent_id for r in requests]
         self._shared_pages = [r.shared_prefix_tokens // page_tokens for r in requests]
         self._pages = [r.input_tokens // page_tokens for r in requests]
-        self._memo: dict[int, tuple[Segment, ...]] = {}
+        self._memo: dict[int, Runs] = {}
         self._memo_size = memo_size
 
     def add(self, request: Request) -> None:
@@ -57,7 +74,11 @@ class PrefixIndex:
         return self._pages[request_id]
 
     def segments(self, request_id: int) -> tuple[Segment, ...]:
-        """The request's page runs, root first.
+        """The request's page runs, root first."""
+        return self.runs(request_id)[0]
+
+    def runs(self, request_id: int) -> Runs:
+        """The request's page runs, root first, with their origins and the pages before each.
 
         A request's runs are its parent's runs cut at the shared prefix, plus its own new pages, so they
         are built from the parent's (memoised for recently used requests: a session's next turn almost
@@ -73,29 +94,32 @@ class PrefixIndex:
             if parent < 0 or self._shared_pages[chain[-1]] == 0 or parent in memo:
                 break
             chain.append(parent)
-        segs: tuple[Segment, ...] = ()
+        runs: Runs = ((), (), ())
         for rid in reversed(chain):
             end = self._pages[rid]
             parent = self._parent[rid]
             shared = min(self._shared_pages[rid], end) if parent >= 0 else 0
             if shared > 0:
-                base = memo[parent] if parent in memo else segs
+                base, base_origins, base_before = memo[parent] if parent in memo else runs
                 i = len(base)
                 while i and base[i - 1][1] >= shared:
                     i -= 1
-                kept = list(base[:i])
-                if kept and kept[-1][2] > shared:
-                    origin, first, _ = kept[-1]
-                    kept[-1] = (origin, first, shared)
+                segs, origins, before = base[:i], base_origins[:i], base_before[:i]
+                if i and segs[-1][2] > shared:
+                    origin, first, _ = segs[-1]
+                    segs = (*segs[:-1], (origin, first, shared))
                 if end > shared:
-                    kept.append((rid, shared, end))
-                segs = tuple(kept)
+                    pages_before = before[-1] + segs[-1][2] - segs[-1][1] if i else 0
+                    segs += ((rid, shared, end),)
+                    origins += (rid,)
+                    before += (pages_before,)
+                runs = (segs, origins, before)
             else:
-                segs = ((rid, 0, end),) if end > 0 else ()
-            memo[rid] = segs
+                runs = (((rid, 0, end),), (rid,), (0,)) if end > 0 else ((), (), ())
+            memo[rid] = runs
         while len(memo) > self._memo_size:  # FIFO bound on memory
             del memo[next(iter(memo))]
-        return segs
+        return runs
 
 
 class PoolHolders:
@@ -137,11 +161,26 @@ class PoolHolders:
 
 
 class PrefixCache:
-    """One worker's LRU prefix cache, counted in pages.
+    """One worker's LRU prefix cache, counted in pages (the module docstring says how it is indexed).
 
     ``holders``/``owner``: the caches of one pool may share a ``PoolHolders`` (``owner`` is this
     cache's worker), see ``pool_caches`` and ``match_in_pool``.
     """
+
+    __slots__ = (
+        "_end",
+        "_first",
+        "_heap",
+        "_holders",
+        "_kids",
+        "_owner",
+        "_stamp",
+        "_touches",
+        "_up",
+        "capacity_pages",
+        "index",
+        "used_pages",
+    )
 
     def __init__(
         self,
@@ -154,53 +193,115 @@ class PrefixCache:
         self.index = index
         self.capacity_pages = capacity_pages
         self.used_pages = 0
-        self._cached_end: OrderedDict[int, int] = OrderedDict()
+        self._end: dict[int, int] = {}
+        """origin -> the end page up to which its run is cached."""
         self._first: dict[int, int] = {}
+        """origin -> the first page of its run (the same in every request that holds it)."""
+        self._up: dict[int, int] = {}
+        """origin -> the origin of the run before it (its parent in the tree; -1 for a root)."""
+        self._kids: dict[int, int] = {}
+        """origin -> how many cached origins have it as their parent (0: a leaf)."""
+        self._stamp: dict[int, int] = {}
+        """origin -> its last touch, as far as known: touches stamp their deepest origin only, and an
+        evicted origin hands its stamp up to its parent (see the module docstring)."""
+        self._heap: list[tuple[int, int]] = []
+        """``(stamp, origin)`` of leaves, the least recently touched first; entries whose origin has
+        since been touched again, got a child or was evicted are stale and skipped."""
+        self._touches = 0
         self._holders = holders
         self._owner = owner
 
+    def _deepest(self, origins: tuple[int, ...]) -> int:
+        """Index of the deepest of a request's segments whose origin is cached here (-1: none). The
+        cached ones are a prefix of the segments, so the last two are tried and then a bisection."""
+        end = self._end
+        n = len(origins)
+        if not n or origins[0] not in end:
+            return -1
+        if origins[n - 1] in end:
+            return n - 1
+        if n < 3 or origins[n - 2] in end:
+            return n - 2
+        lo, hi = 0, n - 2  # origins[lo] cached, origins[hi] not
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if origins[mid] in end:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _touch(self, origin: int) -> None:
+        """A lookup or insert touched the root path down to ``origin`` (most recent now)."""
+        self._touches += 1
+        stamp = self._touches
+        self._stamp[origin] = stamp
+        if not self._kids[origin]:
+            heap = self._heap
+            heapq.heappush(heap, (stamp, origin))
+            if len(heap) > 2 * len(self._end) + 64:  # drop the stale entries
+                kids, stamps = self._kids, self._stamp
+                self._heap = [(stamps[o], o) for o in self._end if not kids[o]]
+                heapq.heapify(self._heap)
+
     def match_tokens(self, request_id: int, *, touch: bool = False) -> int:
         """Leading input tokens of the request already cached here."""
-        cached_end_of, first_of = self._cached_end, self._first
-        matched = 0
-        hit: list[int] = []
-        for origin, first, end in self.index.segments(request_id):
-            cached_end = cached_end_of.get(origin)
-            if cached_end is None or first_of[origin] > first:
-                break
-            upto = cached_end if cached_end < end else end
-            matched += upto - first
-            hit.append(origin)
-            if upto < end:
-                break
-        if touch and hit:
-            move = cached_end_of.move_to_end
-            for origin in reversed(hit):
-                move(origin)
-        return matched * self.index.page_tokens
+        segs, origins, before = self.index.runs(request_id)
+        j = self._deepest(origins)
+        if j < 0:
+            return 0
+        origin, first, end = segs[j]
+        cached_end = self._end[origin]
+        if touch:
+            self._touch(origin)
+        return (before[j] + (cached_end if cached_end < end else end) - first) * self.index.page_tokens
+
+    def _walk(self, runs: Runs) -> tuple[int, int]:
+        """(matched pages, index of the segment a walk from the root stops in, or ``len(segs)``)."""
+        segs, origins, before = runs
+        j = self._deepest(origins)
+        if j < 0:
+            return 0, 0
+        _, first, end = segs[j]
+        cached_end = self._end[origins[j]]
+        if cached_end < end:
+            return before[j] + cached_end - first, j
+        return before[j] + end - first, j + 1
 
     def insert(self, request_id: int) -> None:
         """Cache all of the request's input pages (after its prefill), evicting LRU runs as needed."""
-        segs = self.index.segments(request_id)
-        cached_end_of, holders = self._cached_end, self._holders
-        for origin, first, end in segs:
-            cached_end = cached_end_of.get(origin)
-            if cached_end is None:
-                cached_end_of[origin] = end
-                self._first[origin] = first
-                self.used_pages += end - first
-                if holders is not None:
-                    holders.add(origin, self._owner, end)
-            elif end > cached_end:
-                cached_end_of[origin] = end
+        segs, origins, _ = self.index.runs(request_id)
+        if not segs:  # nothing to cache (an earlier ``keep`` may have left the cache over capacity)
+            if self.used_pages > self.capacity_pages:
+                self.evict_to(self.capacity_pages)
+            return
+        j = self._deepest(origins)
+        end_of, holders = self._end, self._holders
+        if j >= 0:  # the segments before j are cached to their ends already (module docstring)
+            origin, _, end = segs[j]
+            cached_end = end_of[origin]
+            if end > cached_end:
+                end_of[origin] = end
                 self.used_pages += end - cached_end
                 if holders is not None:
                     holders.extend(origin, cached_end, end)
-        move = cached_end_of.move_to_end
-        for origin, _, _ in reversed(segs):
-            move(origin)
+        kids, stamps = self._kids, self._stamp
+        for k in range(j + 1, len(segs)):
+            origin, first, end = segs[k]
+            end_of[origin] = end
+            self._first[origin] = first
+            kids[origin] = 0
+            stamps[origin] = 0  # touched below through its deepest descendant (module docstring)
+            up = origins[k - 1] if k else -1
+            self._up[origin] = up
+            if up >= 0:
+                kids[up] += 1
+            self.used_pages += end - first
+            if holders is not None:
+                holders.add(origin, self._owner, end)
+        self._touch(origins[-1])
         if self.used_pages > self.capacity_pages:
-            self.evict_to(self.capacity_pages, keep=segs[0][0] if segs else -1)
+            self.evict_to(self.capacity_pages, keep=origins[0])
 
     def evict_to(self, capacity_pages: int, keep: int = -1) -> None:
         """Evict least recently used runs until at most ``capacity_pages`` are held.
@@ -209,35 +310,46 @@ class PrefixCache:
         run of the request it just cached, so a request larger than the cache keeps its prefix start.
         """
         self.capacity_pages = capacity_pages
-        while self.used_pages > capacity_pages and self._cached_end:
-            origin, end = next(iter(self._cached_end.items()))
-            if origin == keep and len(self._cached_end) == 1:
+        end_of, kids, stamps, heap = self._end, self._kids, self._stamp, self._heap
+        nxt = -1  # a leaf known to be the LRU entry without asking the heap (it is not in it)
+        while self.used_pages > capacity_pages and end_of:
+            if nxt >= 0:
+                origin, stamp = nxt, stamps[nxt]
+            else:
+                stamp, origin = heap[0]
+                if origin not in end_of or kids[origin] or stamps[origin] != stamp:
+                    heapq.heappop(heap)  # stale
+                    continue
+            if origin == keep and len(end_of) == 1:
                 break
-            del self._cached_end[origin]
+            if nxt >= 0:
+                nxt = -1
+            else:
+                heapq.heappop(heap)
+            end = end_of.pop(origin)
             self.used_pages -= end - self._first.pop(origin)
+            del kids[origin], stamps[origin]
+            up = self._up.pop(origin)
+            if up >= 0:  # the parent was touched whenever this was: it inherits the later stamp
+                if stamps[up] < stamp:
+                    stamps[up] = stamp
+                kids[up] -= 1
+                if not kids[up]:
+                    # a leaf now; with the stamp just evicted (no other leaf has it) it is the LRU one
+                    if stamps[up] == stamp:
+                        nxt = up
+                    else:
+                        heapq.heappush(heap, (stamps[up], up))
             if self._holders is not None:
                 self._holders.remove(origin, self._owner, end)
+        if nxt >= 0:
+            heapq.heappush(heap, (stamps[nxt], nxt))
 
 
 def pool_caches(index: PrefixIndex, n_workers: int, capacity_pages: int) -> list[PrefixCache]:
     """One cache per worker of a pool, sharing a holders map (see ``PrefixCache``)."""
     holders = PoolHolders()
     return [PrefixCache(index, capacity_pages, holders=holders, owner=i) for i in range(n_workers)]
-
-
-def _walk(cache: PrefixCache, segs: Sequence[Segment]) -> tuple[int, int]:
-    """(matched pages, index of the segment the walk stopped in or ``len(segs)``)."""
-    cached_end_of, first_of = cache._cached_end, cache._first
-    matched = 0
-    for j, (origin, first, end) in enumerate(segs):
-        cached_end = cached_end_of.get(origin)
-        if cached_end is None or first_of[origin] > first:
-            return matched, j
-        upto = cached_end if cached_end < end else end
-        matched += upto - first
-        if upto < end:
-            return matched, j
-    return matched, len(segs)
 
 
 def match_in_pool(
@@ -262,7 +374,8 @@ def match_in_pool(
     holders = caches[0]._holders
     if holders is None:
         raise ValueError("match_in_pool needs caches made by pool_caches")
-    segs = caches[0].index.segments(request_id)
+    runs = caches[0].index.runs(request_id)
+    segs = runs[0]
     page = caches[0].index.page_tokens
     for j in range(len(segs) - 1, -1, -1):
         origin, first, end = segs[j]
@@ -272,22 +385,21 @@ def match_in_pool(
             # evicted leaves first, so holding a run means holding the runs above it), so when each
             # caches the run to its end here, all match the same; no need to walk them one by one.
             if holders.holding_at_least(origin, end) == len(caches):
-                base = sum(e - f for _, f, e in segs[:j])
-                return UniformMatches((base + end - first) * page, len(caches), eligible)
+                return UniformMatches((runs[2][j] + end - first) * page, len(caches), eligible)
         if owners and eligible is not None:
             owners = {i for i in owners if eligible(i)}
         if not owners:
             continue
         out: dict[int, int] = {}
         for i in owners:
-            matched, stop = _walk(caches[i], segs)
+            matched, stop = caches[i]._walk(runs)
             if stop < j:
                 break
             out[i] = matched * page
         else:
             return out
         everyone = {
-            i: _walk(c, segs)[0] * page for i, c in enumerate(caches) if eligible is None or eligible(i)
+            i: c._walk(runs)[0] * page for i, c in enumerate(caches) if eligible is None or eligible(i)
         }
         return {i: m for i, m in everyone.items() if m}
     return {}
