@@ -71,7 +71,7 @@ def main() -> int:
     t0 = time.perf_counter()
     fit = fit_interference_model(train, label, config)
     fit_s = time.perf_counter() - t0
-    predictor = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
+    predictor = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap, inputs=fit.inputs)
     meta = {
         "hardware": args.gpu,
         "model": args.model,

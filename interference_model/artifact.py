@@ -7,8 +7,10 @@ library versions, metrics, and the command that produced it.
 
 Format history: 1 -- the instantaneous label (one iteration); 2 -- the lease label over a horizon
 (``interference_model.labels``), with ``label`` and ``kv_capacity_tokens``; 3 -- the drain features
-(``interference_model.columns.DRAIN_FEATURES``) among the inputs. Older artifacts predict another
-quantity or from other inputs and are refused: refit them.
+(``interference_model.columns.DRAIN_FEATURES``) among the inputs; 4 -- ``decode_step_model`` (a
+``fit.DecodeStepModel`` or null) and, with one, its slack among ``model_features``. Versions 3 and 4
+are read (a version-3 artifact has no decode-step model); older artifacts predict another quantity
+or from other inputs and are refused: refit them.
 :func:`load_predictor` checks all of that and fails with :class:`ArtifactError` naming the file.
 
 Writes are crash-safe per file (temp file + rename), and ``metadata.json`` is written last and
@@ -30,12 +32,13 @@ import lightgbm as lgb
 import numpy as np
 import pandas as pd
 
-from interference_model.fit import MODEL_FEATURES, ConformalShift, FitResult, LeaseCap
+from interference_model.fit import ConformalShift, DecodeStepModel, FitResult, LeaseCap, ModelInputs
 from interference_model.labels import DEFAULT_HORIZON_S, ItlTarget, LeaseLabel
 from interference_model.predictor import SafeThroughputPredictor
 from interference_model.schema import FEATURES, PROFILE_SCHEMA_VERSION
 
-ARTIFACT_FORMAT_VERSION = 3
+ARTIFACT_FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (3, 4)
 MODEL_FILE = "model.txt"
 METADATA_FILE = "metadata.json"
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -100,7 +103,8 @@ def save_artifact(
         "format_version": ARTIFACT_FORMAT_VERSION,
         "profile_schema_version": PROFILE_SCHEMA_VERSION,
         "features": list(FEATURES),
-        "model_features": list(MODEL_FEATURES),
+        "model_features": list(fit.inputs.names),
+        "decode_step_model": None if fit.inputs.decode_step is None else fit.inputs.decode_step.to_dict(),
         "target_transform": "log1p",
         "label": label.to_dict(),
         "itl_target": label.to_dict()["itl_target"],
@@ -141,11 +145,11 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ArtifactError(f"{meta_path}: corrupt JSON ({exc})") from exc
     if not isinstance(meta, dict):
         raise ArtifactError(f"{meta_path}: expected a JSON object")
-    if meta.get("format_version") != ARTIFACT_FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise ArtifactError(
             f"{meta_path}: field 'format_version' is {meta.get('format_version')!r}; this code "
-            f"reads version {ARTIFACT_FORMAT_VERSION} (the lease label with drain features); refit with "
-            "`crossflow fit-interference`"
+            f"reads versions {list(READABLE_FORMAT_VERSIONS)} (the lease label with drain features); "
+            "refit with `crossflow fit-interference`"
         )
     required = (
         "format_version",
@@ -169,12 +173,24 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         LeaseLabel.from_dict(meta["label"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{meta_path}: field 'label' is malformed ({exc})") from exc
+    step = meta.get("decode_step_model")
+    if step is not None:
+        try:
+            DecodeStepModel.from_dict(step)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ArtifactError(f"{meta_path}: field 'decode_step_model' is malformed ({exc})") from exc
     return meta
 
 
 def artifact_label(meta: dict[str, Any]) -> LeaseLabel:
     """The :class:`LeaseLabel` an artifact was fitted on (``meta`` from :func:`read_metadata`)."""
     return LeaseLabel.from_dict(meta["label"])
+
+
+def artifact_inputs(meta: dict[str, Any]) -> ModelInputs:
+    """What an artifact's trees see (``meta`` from :func:`read_metadata`)."""
+    step = meta.get("decode_step_model")
+    return ModelInputs(artifact_label(meta), None if step is None else DecodeStepModel.from_dict(step))
 
 
 def _check(meta_path: Path, field: str, have: Any, want: Any) -> None:
@@ -202,7 +218,8 @@ def load_predictor(
     meta = read_metadata(folder)
     meta_path = folder / METADATA_FILE
     _check(meta_path, "features", meta["features"], list(FEATURES))
-    _check(meta_path, "model_features", meta["model_features"], list(MODEL_FEATURES))
+    inputs = artifact_inputs(meta)
+    _check(meta_path, "model_features", meta["model_features"], list(inputs.names))
     _check(meta_path, "hardware", str(meta["hardware"]).lower(), gpu.lower() if gpu else None)
     _check(meta_path, "model", str(meta["model"]).lower(), model.lower() if model else None)
     _check(meta_path, "tp", meta["tp"], tp)
@@ -235,7 +252,7 @@ def load_predictor(
         cap = LeaseCap(
             artifact_label(meta), float(meta["kv_capacity_tokens"]), float(meta["min_rate_tokens_per_s"])
         )
-        return SafeThroughputPredictor(booster, shift, cap, meta)
+        return SafeThroughputPredictor(booster, shift, cap, meta, inputs)
     except (lgb.basic.LightGBMError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{model_path}: cannot be compiled into a predictor ({exc})") from exc
 

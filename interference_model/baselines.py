@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 import numpy as np
 import pandas as pd
 
-from interference_model.fit import FitConfig, LeaseCap, conformal_shift, group_kfold, model_inputs
+from interference_model.fit import FitConfig, LeaseCap, ModelInputs, conformal_shift, group_kfold
 from interference_model.labels import ITL_LABEL, LABEL, LeaseLabel, derive_labels
 from interference_model.schema import FEATURES, PROFILE_COLUMNS, PROFILE_SCHEMA_VERSION
 
@@ -39,7 +39,8 @@ guess: a share ``exp(-k / r)`` still runs after ``k`` steps, each with ``r`` mor
 
 
 class LinearBaseline:
-    """``log1p(ITL part) ~ w . [z, log1p(z)] + b`` over the trees' inputs ``z``, shifted conformally
+    """``log1p(ITL part) ~ w . [z, log1p(z)] + b`` over the trees' inputs ``z`` (``fit.ModelInputs`` of
+    the same ``FitConfig``, so with the decode-step slack when the model has it), shifted conformally
     and capped exactly like the LightGBM model (``fit.LeaseCap``): only the learner differs."""
 
     name = "linear"
@@ -52,10 +53,10 @@ class LinearBaseline:
         self.coef_: np.ndarray | None = None
         self.log_shift_ = 0.0
         self.cap: LeaseCap | None = None
+        self.inputs = ModelInputs(label)
 
-    @staticmethod
-    def _design(X: np.ndarray) -> np.ndarray:
-        Z = model_inputs(X)
+    def _design(self, X: np.ndarray) -> np.ndarray:
+        Z = self.inputs(X)
         return np.column_stack([Z, np.log1p(np.maximum(Z, 0.0)), np.ones(len(Z))])
 
     def _solve(self, X: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -65,6 +66,7 @@ class LinearBaseline:
         cfg = self.config
         assert cfg.unsafe_target is not None
         self.cap = LeaseCap.for_labels(labels, self.label, cfg.min_lease_tokens)
+        self.inputs = ModelInputs.for_labels(labels, self.label, cfg)
         X = labels[list(FEATURES)].to_numpy(dtype=float)
         z = np.log1p(labels[ITL_LABEL].to_numpy(dtype=float))
         oof = np.empty(len(z))

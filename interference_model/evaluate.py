@@ -217,13 +217,11 @@ def decision_latency_us(
     thread (``num_threads=1``: its default spin-waits a thread pool), over a tenth of the calls.
     ``*_us`` is wall-clock time; ``*_cpu_us`` the process's CPU time (what the call costs on a core of
     its own: on a shared, loaded machine wall-clock time also counts the time the process waits)."""
-    from interference_model.fit import model_inputs
-
     rows = [tuple(float(v) for v in r) for r in np.asarray(X, dtype=float)[:256]]
     wall, cpu = _per_call_us(lambda r: predictor.safe_prefill_tokens_per_s(*r), rows, calls, rounds)
     out = {"fast_predictor_us": wall, "fast_predictor_cpu_us": cpu}
     if booster is not None:
-        inputs = [model_inputs(np.asarray([r])) for r in rows]
+        inputs = [predictor.inputs(np.asarray([r])) for r in rows]
         wall, cpu = _per_call_us(
             lambda z: booster.predict(z, num_threads=1), inputs, max(calls // 10, 50), rounds
         )

@@ -36,7 +36,11 @@ step itself, so batch and context are left free. The drain features are free too
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import lightgbm as lgb
 import numpy as np
@@ -62,11 +66,13 @@ class FitConfig:
     shift_batch_edges: tuple[float, ...] = (4, 8, 16, 24, 32, 48, 64, 128)
     """Decode-batch-size bin edges of the Mondrian conformal shift; ``()`` for one global shift."""
     min_states_per_shift_bin: int = 200
-    shift_allocation: str = "per_bin"
-    """``"per_bin"``: every batch bin holds its own out-of-fold unsafe share to ``unsafe_target``.
-    ``"pooled"``: the bins share one budget -- shifts (on a grid of ``shift_grid_step``) that minimise
+    shift_allocation: str = "pooled"
+    """``"pooled"``: the bins share one budget -- shifts (on a grid of ``shift_grid_step``) that minimise
     the out-of-fold MAPE while the *overall* out-of-fold unsafe share stays within ``unsafe_target``
-    (:func:`pooled_shift`): the marginal guarantee the target asks for, spent where it buys most."""
+    (:func:`pooled_shift`): the marginal guarantee the target asks for, spent where it buys most.
+    ``"per_bin"`` (the default until 2026-12-06): every batch bin holds its own out-of-fold unsafe
+    share to ``unsafe_target``, so each bin spends its whole budget -- an accurate model is even
+    shifted *up* until 2 % of its states are unsafe, which costs MAPE and buys nothing."""
     shift_grid_step: float = 0.005
     min_lease_tokens: float = 64.0
     """Predictions below this many tokens over the label's horizon are 0 (module docstring)."""
@@ -77,6 +83,11 @@ class FitConfig:
     min_data_in_leaf: int = 10
     n_folds: int = 5
     monotone: bool = True
+    decode_step_input: bool = True
+    """Give the trees :data:`DECODE_STEP_INPUT`, the step budget a :class:`DecodeStepModel` (fitted on
+    the profiles' decode-only steps) says the decode batch leaves. With an absolute ITL target the
+    label never falls as that slack grows, so it is constrained non-decreasing there and batch and
+    context, whose effect on the step it carries, are left free (:func:`physical_monotone_constraints`)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -99,6 +110,17 @@ class FitConfig:
         if not self.min_lease_tokens >= 0:
             raise ValueError(f"FitConfig.min_lease_tokens must be >= 0, got {self.min_lease_tokens}")
 
+    @classmethod
+    def from_recorded(cls, recorded: dict[str, Any]) -> FitConfig:
+        """The configuration an artifact's ``fit_config`` records. A field an older artifact lacks takes
+        the value that applied before the field existed, not today's default."""
+        known = {k: v for k, v in recorded.items() if k in cls.__dataclass_fields__}
+        for name, before in _BEFORE_FIELD.items():
+            known.setdefault(name, before)
+        if isinstance(known.get("shift_batch_edges"), list):
+            known["shift_batch_edges"] = tuple(known["shift_batch_edges"])
+        return cls(**known)
+
     def lgb_params(self, monotone_constraints: tuple[int, ...]) -> dict[str, object]:
         params: dict[str, object] = {
             "objective": "quantile" if self.quantile_alpha is not None else "regression",
@@ -119,9 +141,17 @@ class FitConfig:
         return params
 
 
+_BEFORE_FIELD: dict[str, object] = {"shift_allocation": "per_bin", "decode_step_input": False}
+"""What a fit did before these ``FitConfig`` fields were recorded (:meth:`FitConfig.from_recorded`)."""
+
 MODEL_FEATURES: tuple[str, ...] = (*FEATURES, "context_tokens_sum")
 """What the trees see: ``FEATURES`` plus derived columns (:func:`model_inputs`). The decode step time
-grows with the batch's total context, a product that axis-aligned splits approximate poorly."""
+grows with the batch's total context, a product that axis-aligned splits approximate poorly. A fit
+with ``FitConfig.decode_step_input`` adds :data:`DECODE_STEP_INPUT` (:class:`ModelInputs`)."""
+
+DECODE_STEP_INPUT = "decode_step_slack_s"
+"""The step budget left once the decode batch has run: ``T - t_decode`` seconds, ``t_decode`` from the
+:class:`DecodeStepModel` fitted on the profiles' own decode-only steps."""
 
 
 def model_inputs(X: np.ndarray) -> np.ndarray:
@@ -132,6 +162,163 @@ def model_inputs(X: np.ndarray) -> np.ndarray:
             f"expected an (n, {len(FEATURES)}) array in FEATURES order {FEATURES}, got {X.shape}"
         )
     return np.column_stack([X, X[:, 0] * X[:, 1]])
+
+
+DECODE_STEP_KNOTS: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""Decode batch sizes where :class:`DecodeStepModel` may place its knots (x1.5 and x1.33 steps); the
+fit keeps those up to the first at or past the largest batch it sees, less any no batch measured
+pins down, and extrapolates beyond the last."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStepModel:
+    """The decode-only step time of a node state: ``h(batch) + s_per_context_token x context sum``,
+    ``h`` piecewise linear in ``log(batch)`` between knots (linear in ``log(batch)`` past the last
+    knot), non-decreasing.
+
+    Fitted by least squares on the step-0 decode-only times the profiles measured (their median over
+    repeats), so it needs nothing a profile lacks: measured on a GPU as well as simulated. Why it is
+    worth its few parameters: the lease label is set by how much of the step budget the decode batch
+    leaves (``T - t_decode``), and near the budget a 1 % error in ``t_decode`` moves the label by
+    several percent. Trees approximate that crossing from batch and context sum only coarsely; this
+    form (the weights and experts a batch reads grow with it, attention with the summed context)
+    tracks the measured step within about 0.5 % (GLM-5 TP8 on H200, noise-free states).
+    """
+
+    batch_knots: tuple[float, ...]
+    knot_times_s: tuple[float, ...]
+    s_per_context_token: float
+
+    def __post_init__(self) -> None:
+        if len(self.batch_knots) < 2 or len(self.knot_times_s) != len(self.batch_knots):
+            raise ValueError("DecodeStepModel needs at least two knots and one time per knot")
+        if any(b <= a for a, b in zip(self.batch_knots, self.batch_knots[1:], strict=False)):
+            raise ValueError(f"DecodeStepModel.batch_knots must increase, got {self.batch_knots}")
+        if self.batch_knots[0] <= 0:
+            raise ValueError("DecodeStepModel.batch_knots must be positive")
+        values = (*self.knot_times_s, self.s_per_context_token)
+        if not all(np.isfinite(v) for v in values):
+            raise ValueError("DecodeStepModel: knot times and the per-token slope must be finite")
+
+    @staticmethod
+    def _segments(batch: np.ndarray, knots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per batch, its segment ``k`` (between knots ``k`` and ``k + 1``; the outermost segments
+        extend past either end) and its weight ``w`` towards knot ``k + 1``, linear in log batch."""
+        b = np.maximum(np.asarray(batch, dtype=float), knots[0])
+        seg = np.clip(np.searchsorted(knots, b, side="right") - 1, 0, len(knots) - 2)
+        return seg, np.log(b / knots[seg]) / np.log(knots[seg + 1] / knots[seg])
+
+    @classmethod
+    def fit(
+        cls, batch: np.ndarray, context_tokens_sum: np.ndarray, decode_only_time_s: np.ndarray
+    ) -> DecodeStepModel:
+        batch = np.asarray(batch, dtype=float)
+        top = float(batch.max())
+        knots = [k for k in DECODE_STEP_KNOTS if k < top]
+        knots.append(next((k for k in DECODE_STEP_KNOTS if k >= top), top))
+        if len(knots) < 2:
+            knots = [1.0, 2.0]
+        while True:
+            grid = np.asarray(knots, dtype=float)
+            seg, w = cls._segments(batch, grid)
+            design = np.zeros((len(batch), len(grid) + 1))
+            rows = np.arange(len(batch))
+            design[rows, seg] = 1.0 - w
+            design[rows, seg + 1] += w
+            # A knot no measured batch weighs on (none between its neighbours) has no value to fit.
+            unsupported = [k for k in range(1, len(knots) - 1) if not design[:, k].any()]
+            if not unsupported:
+                break
+            del knots[unsupported[0]]
+        design[:, -1] = np.asarray(context_tokens_sum, dtype=float)
+        coef = np.linalg.lstsq(design, np.asarray(decode_only_time_s, dtype=float), rcond=None)[0]
+        # More running requests never make a step faster: a noisy knot that dips is raised.
+        times = np.maximum.accumulate(coef[:-1])
+        return cls(tuple(float(k) for k in grid), tuple(float(t) for t in times), float(coef[-1]))
+
+    def time_s(self, batch: np.ndarray, context_tokens_sum: np.ndarray) -> np.ndarray:
+        """The modelled decode-only step (seconds) per state; :meth:`time_one` for one state."""
+        seg, w = self._segments(batch, np.asarray(self.batch_knots))
+        t = np.asarray(self.knot_times_s)
+        return t[seg] + w * (t[seg + 1] - t[seg]) + self.s_per_context_token * np.asarray(
+            context_tokens_sum, dtype=float
+        )
+
+    def time_one(self, batch: float, context_tokens_sum: float) -> float:
+        """:meth:`time_s` of one state without numpy (the predictor's hot path)."""
+        knots, t = self.batch_knots, self.knot_times_s
+        b = max(batch, knots[0])
+        k = min(max(bisect_right(knots, b) - 1, 0), len(knots) - 2)
+        w = math.log(b / knots[k]) / math.log(knots[k + 1] / knots[k])
+        return t[k] + w * (t[k + 1] - t[k]) + self.s_per_context_token * context_tokens_sum
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_knots": list(self.batch_knots),
+            "knot_times_s": list(self.knot_times_s),
+            "s_per_context_token": self.s_per_context_token,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DecodeStepModel:
+        """Inverse of :meth:`to_dict`; raises ``KeyError`` / ``TypeError`` / ``ValueError``."""
+        return cls(
+            tuple(float(k) for k in d["batch_knots"]),
+            tuple(float(t) for t in d["knot_times_s"]),
+            float(d["s_per_context_token"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    """The map from node states (``FEATURES``) to what the trees see: :data:`MODEL_FEATURES`, and with
+    a :class:`DecodeStepModel` also :data:`DECODE_STEP_INPUT`, the label's step budget less the
+    modelled decode-only step."""
+
+    label: LeaseLabel
+    decode_step: DecodeStepModel | None = None
+
+    @classmethod
+    def for_labels(cls, labels: pd.DataFrame, label: LeaseLabel, config: FitConfig) -> ModelInputs:
+        """The inputs a fit with ``config`` uses on ``labels`` (one row per state, with the measured
+        step-0 ``decode_only_time_s``)."""
+        if not config.decode_step_input:
+            return cls(label)
+        batch = labels["decode_batch_size"].to_numpy(dtype=float)
+        context_sum = batch * labels["context_tokens_mean"].to_numpy(dtype=float)
+        step = DecodeStepModel.fit(batch, context_sum, labels["decode_only_time_s"].to_numpy(dtype=float))
+        return cls(label, step)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return MODEL_FEATURES if self.decode_step is None else (*MODEL_FEATURES, DECODE_STEP_INPUT)
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        """``(n, len(FEATURES))`` node states -> ``(n, len(self.names))`` tree inputs."""
+        Z = model_inputs(X)
+        if self.decode_step is None:
+            return Z
+        t = self.decode_step.time_s(Z[:, 0], Z[:, len(FEATURES)])
+        return np.column_stack([Z, self.label.step_budget_s(t) - t])
+
+    def decode_step_slack_one(self, decode_batch_size: float, context_tokens_sum: float) -> float:
+        """:data:`DECODE_STEP_INPUT` of one state without numpy; needs a ``decode_step``."""
+        return self.slack_function()(decode_batch_size, context_tokens_sum)
+
+    def slack_function(self) -> Callable[[float, float], float]:
+        """``(decode batch, context sum) -> slack`` for one state, its constants bound once (the
+        predictor's hot path); the same arithmetic as :meth:`__call__` (``LeaseLabel.step_budget_s``)."""
+        if self.decode_step is None:
+            raise ValueError("ModelInputs.slack_function: these inputs have no decode-step model")
+        time_one = self.decode_step.time_one
+        ratio, floor_s = self.label.itl_target.budget_terms()
+        cap_s = self.label.tpot_slo_ms / 1000.0
+
+        def slack(decode_batch_size: float, context_tokens_sum: float) -> float:
+            t = time_one(decode_batch_size, context_tokens_sum)
+            return min(max(ratio * t, floor_s), cap_s) - t
+
+        return slack
 
 
 def kv_capacity_of(labels: pd.DataFrame) -> float:
@@ -183,12 +370,19 @@ class LeaseCap:
         return np.where(self.rate(X) > (1.0 + margin) * y, raw_log - bound, -np.inf)
 
 
-def physical_monotone_constraints(label: LeaseLabel) -> tuple[int, ...]:
-    """-1 (non-increasing) / 0 (free) per column of ``MODEL_FEATURES``; see the module docstring."""
+def physical_monotone_constraints(
+    label: LeaseLabel, names: tuple[str, ...] = MODEL_FEATURES
+) -> tuple[int, ...]:
+    """-1 (non-increasing) / +1 (non-decreasing) / 0 (free) per tree input ``names``; see the module
+    docstring. With :data:`DECODE_STEP_INPUT` among them the decode step's growth with batch and
+    context is carried by that slack (non-decreasing under an absolute target; a ratio target's budget
+    grows with the step, so free there), and batch and context are left free: constraining them too
+    measured worse (docs/interference_model.md, "The decode step as an input")."""
     absolute = label.itl_target.kind == "absolute_ms"
+    by_step = absolute and DECODE_STEP_INPUT not in names
     by_name = {
-        "decode_batch_size": -1 if absolute else 0,
-        "context_tokens_mean": -1 if absolute else 0,
+        "decode_batch_size": -1 if by_step else 0,
+        "context_tokens_mean": -1 if by_step else 0,
         "context_tokens_std": 0,
         "remaining_output_tokens_mean": -1,
         "kv_occupancy": -1,
@@ -196,9 +390,10 @@ def physical_monotone_constraints(label: LeaseLabel) -> tuple[int, ...]:
         # the last request left: neither drain feature moves the label one way.
         "remaining_output_tokens_max": 0,
         "remaining_output_tokens_context_weighted": 0,
-        "context_tokens_sum": -1 if absolute else 0,
+        "context_tokens_sum": -1 if by_step else 0,
+        DECODE_STEP_INPUT: 1 if absolute else 0,
     }
-    return tuple(by_name[f] for f in MODEL_FEATURES)
+    return tuple(by_name[f] for f in names)
 
 
 def group_kfold(groups: np.ndarray, n_folds: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -352,13 +547,15 @@ class FitResult:
     cap: LeaseCap
     monotone_constraints: tuple[int, ...]
     config: FitConfig
+    inputs: ModelInputs
+    """What the trees see, from a node state."""
     oof_prediction: np.ndarray
     """Out-of-fold predictions (tokens/s, shift applied) aligned with the training labels."""
     cv_metrics: dict[str, float] = field(default_factory=dict)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Safe prefill tokens/s for rows of ``X`` (columns in ``FEATURES`` order), via LightGBM."""
-        Z = model_inputs(X)
+        Z = self.inputs(X)
         raw = np.asarray(self.booster.predict(Z, num_threads=1), dtype=float)
         return self.cap.apply(np.expm1(raw - self.shift.for_batch(Z[:, 0])), X)
 
@@ -366,11 +563,13 @@ class FitResult:
         """Total split gain per feature, normalised to sum to 1."""
         gain = self.booster.feature_importance(importance_type="gain")
         total = float(gain.sum()) or 1.0
-        return {f: float(g) / total for f, g in zip(MODEL_FEATURES, gain, strict=True)}
+        return {f: float(g) / total for f, g in zip(self.inputs.names, gain, strict=True)}
 
 
-def _train(X: np.ndarray, z: np.ndarray, config: FitConfig, mono: tuple[int, ...]) -> lgb.Booster:
-    data = lgb.Dataset(X, z, feature_name=list(MODEL_FEATURES), free_raw_data=False)
+def _train(
+    X: np.ndarray, z: np.ndarray, config: FitConfig, mono: tuple[int, ...], names: tuple[str, ...]
+) -> lgb.Booster:
+    data = lgb.Dataset(X, z, feature_name=list(names), free_raw_data=False)
     return lgb.train(config.lgb_params(mono), data, num_boost_round=config.num_boost_round)
 
 
@@ -387,14 +586,16 @@ def fit_interference_model(
         if col not in labels.columns:
             raise ValueError(f"labels: missing column {col!r}")
     cap = LeaseCap.for_labels(labels, label, config.min_lease_tokens)
+    inputs = ModelInputs.for_labels(labels, label, config)
+    names = inputs.names
     states = labels[list(FEATURES)].to_numpy(dtype=float)
-    X = model_inputs(states)
+    X = inputs(states)
     y = labels[LABEL].to_numpy(dtype=float)
     z = np.log1p(labels[ITL_LABEL].to_numpy(dtype=float))
-    mono = physical_monotone_constraints(label) if config.monotone else (0,) * len(MODEL_FEATURES)
+    mono = physical_monotone_constraints(label, names) if config.monotone else (0,) * len(names)
     oof_raw = np.empty(len(y))
     for train_idx, test_idx in group_kfold(labels["state_group"].to_numpy(), config.n_folds, config.seed):
-        oof_raw[test_idx] = _train(X[train_idx], z[train_idx], config, mono).predict(X[test_idx])
+        oof_raw[test_idx] = _train(X[train_idx], z[train_idx], config, mono, names).predict(X[test_idx])
     shift = ConformalShift((), (0.0,))
     if config.unsafe_target is not None:
         if config.shift_allocation == "pooled":
@@ -404,11 +605,12 @@ def fit_interference_model(
             shift = mondrian_shift(excess, X[:, 0], config, mono[0])
     oof = cap.apply(np.expm1(oof_raw - shift.for_batch(X[:, 0])), states)
     result = FitResult(
-        booster=_train(X, z, config, mono),
+        booster=_train(X, z, config, mono, names),
         shift=shift,
         cap=cap,
         monotone_constraints=mono,
         config=config,
+        inputs=inputs,
         oof_prediction=oof,
         cv_metrics=accuracy_metrics(y, oof, config.unsafe_margin),
     )

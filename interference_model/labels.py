@@ -112,14 +112,20 @@ class ItlTarget:
             return f"{self.value:g}x|{self.floor_ms:g}ms"
         return f"{self.value:g}x" if self.kind == "ratio" else f"{self.value:g}ms"
 
+    def budget_terms(self) -> tuple[float, float]:
+        """``(ratio, floor_s)``: every kind's budget is ``max(ratio x decode-only step, floor_s)`` (an
+        absolute target has ratio 0, a plain ratio floor 0); the one formula :meth:`target_s` and a
+        scalar hot path both use."""
+        if self.kind == "ratio":
+            return self.value, 0.0
+        if self.kind == "absolute_ms":
+            return 0.0, self.value / 1000.0
+        return self.value, self.floor_ms / 1000.0
+
     def target_s(self, decode_only_time_s: np.ndarray) -> np.ndarray:
         """The per-state iteration-time budget in seconds."""
-        t0 = np.asarray(decode_only_time_s, dtype=float)
-        if self.kind == "ratio":
-            return self.value * t0
-        if self.kind == "absolute_ms":
-            return np.full_like(t0, self.value / 1000.0)
-        return np.maximum(self.value * t0, self.floor_ms / 1000.0)
+        ratio, floor_s = self.budget_terms()
+        return np.maximum(ratio * np.asarray(decode_only_time_s, dtype=float), floor_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,3 +419,19 @@ def derive_labels(
         [cap < itl_tokens, itl_tokens <= 0, sweep], ["kv", "none", "sweep"], default="itl"
     )
     return result
+
+
+def concat_labels(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """Label tables of separately drawn profiles (:func:`derive_labels` of each) as one: each table's
+    ``state_id`` and ``state_group`` are offset past the previous tables', so no two profiles share a
+    state or a cross-validation group (two profiles drawn with different seeds number theirs alike)."""
+    if not tables:
+        raise ValueError("concat_labels: no label tables")
+    shifted, next_id, next_group = [], 0, 0
+    for table in tables:
+        shifted.append(
+            table.assign(state_id=table["state_id"] + next_id, state_group=table["state_group"] + next_group)
+        )
+        next_id += int(table["state_id"].max()) + 1
+        next_group += int(table["state_group"].max()) + 1
+    return pd.concat(shifted, ignore_index=True)

@@ -3,7 +3,7 @@
 LightGBM's Python ``predict`` costs tens of microseconds per call on one thread (argument checks, a
 numpy copy, a thread pool). The single call here goes through LightGBM's own C single-row fast path
 (``LGBM_BoosterPredictForMatSingleRowFast``): a prediction configuration made once (raw score, one
-thread, ``len(MODEL_FEATURES)`` float64 columns), a preallocated ctypes row buffer the inputs are
+thread, one float64 column per tree input), a preallocated ctypes row buffer the inputs are
 written into, and one C call that walks the trees. The answer is LightGBM's own, bit for bit; the
 trees' nodes are a few hundred KB, so the walk stays in cache however many inputs the model has.
 
@@ -28,7 +28,7 @@ from typing import Any
 import lightgbm as lgb
 import numpy as np
 
-from interference_model.fit import MODEL_FEATURES, ConformalShift, LeaseCap, model_inputs
+from interference_model.fit import ConformalShift, LeaseCap, ModelInputs
 from interference_model.schema import FEATURES
 
 _PREDICT_RAW_SCORE = 1  # C_API_PREDICT_RAW_SCORE
@@ -84,7 +84,8 @@ class SafeThroughputPredictor:
     Built from the LightGBM model of the ITL part (a ``Booster`` or its model text), its conformal
     shift and the :class:`LeaseCap`: the prediction is ``min(expm1(sum_of_trees - shift(batch)),
     KV room / horizon)`` tokens/s, the average over the label's horizon, with the learned part read
-    as 0 below the cap's floor. ``metadata`` is the artifact's metadata (may be empty). The single
+    as 0 below the cap's floor. ``inputs`` maps a node state to the trees' inputs (default: the
+    plain ``MODEL_FEATURES``). ``metadata`` is the artifact's metadata (may be empty). The single
     call is serialised by a lock (the fast path reuses one buffer); pickling keeps the model text.
     """
 
@@ -94,18 +95,21 @@ class SafeThroughputPredictor:
         shift: ConformalShift,
         cap: LeaseCap,
         metadata: dict[str, Any] | None = None,
+        inputs: ModelInputs | None = None,
     ) -> None:
         booster = lgb.Booster(model_str=model) if isinstance(model, str) else model
+        inputs = inputs if inputs is not None else ModelInputs(cap.label)
         names = list(booster.feature_name())
-        if names != list(MODEL_FEATURES):
-            raise ValueError(f"model features {names} differ from this code's {list(MODEL_FEATURES)}")
+        if names != list(inputs.names):
+            raise ValueError(f"model features {names} differ from the inputs' {list(inputs.names)}")
         if booster.num_trees() == 0:
             raise ValueError("model has no trees")
         capacity = cap.kv_capacity_tokens
         if not (math.isfinite(capacity) and capacity > 0):
             raise ValueError(f"kv_capacity_tokens must be > 0, got {capacity!r}")
         self._booster = booster
-        self.shift, self.cap = shift, cap
+        self.shift, self.cap, self.inputs = shift, cap, inputs
+        self._slack = inputs.slack_function() if inputs.decode_step is not None else None
         self._capacity, self._floor = float(capacity), float(cap.min_rate_tokens_per_s)
         self._horizon_s = cap.label.horizon_s if cap.label.kv_room else math.inf
         self._shift_edges = [float(e) for e in shift.batch_edges]
@@ -115,7 +119,7 @@ class SafeThroughputPredictor:
         self._lock = threading.Lock()
         self._single: _SingleRow | None
         try:
-            self._single = _SingleRow(booster, len(MODEL_FEATURES))
+            self._single = _SingleRow(booster, len(inputs.names))
         except (AttributeError, RuntimeError):
             self._single = None
 
@@ -127,12 +131,12 @@ class SafeThroughputPredictor:
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             SafeThroughputPredictor,
-            (self._booster.model_to_string(), self.shift, self.cap, self.metadata),
+            (self._booster.model_to_string(), self.shift, self.cap, self.metadata, self.inputs),
         )
 
     def raw_predict(self, X: np.ndarray) -> np.ndarray:
         """Sum of tree outputs (LightGBM's ``raw_score``) for ``(n, len(FEATURES))`` node states."""
-        Z = model_inputs(X)
+        Z = self.inputs(X)
         if not np.isfinite(Z).all():
             raise ValueError("node-state features must be finite")
         return np.asarray(self._booster.predict(Z, raw_score=True, num_threads=1), dtype=float)
@@ -159,7 +163,8 @@ class SafeThroughputPredictor:
         held-out simulated states, up to 2.8% of them more than 5% above the label), so pass them."""
         rem = remaining_output_tokens_mean
         longest, weighted = remaining_output_tokens_max, remaining_output_tokens_context_weighted
-        x = (
+        context_sum = decode_batch_size * context_tokens_mean
+        x: tuple[float, ...] = (
             decode_batch_size,
             context_tokens_mean,
             context_tokens_std,
@@ -167,7 +172,7 @@ class SafeThroughputPredictor:
             kv_occupancy,
             rem if longest is None else longest,
             rem if weighted is None else weighted,
-            decode_batch_size * context_tokens_mean,
+            context_sum,
         )
         try:
             finite = all(map(math.isfinite, x))
@@ -175,6 +180,8 @@ class SafeThroughputPredictor:
             raise ValueError(f"node-state features must be numbers, got {x[:-1]}") from exc
         if not finite:
             raise ValueError(f"node-state features must be finite, got {x[:-1]}")
+        if self._slack is not None:
+            x = (*x, self._slack(decode_batch_size, context_sum))
         single = self._single
         if single is None:
             raw = float(self._booster.predict(np.asarray([x]), raw_score=True, num_threads=1)[0])

@@ -16,6 +16,7 @@ import pytest
 from envs.profiler import simulate_profiles
 from interference_model.artifact import ArtifactError, load_predictor, save_artifact
 from interference_model.fit import (
+    DECODE_STEP_INPUT,
     MODEL_FEATURES,
     ConformalShift,
     FitConfig,
@@ -25,7 +26,6 @@ from interference_model.fit import (
     conformal_shift,
     fit_interference_model,
     group_kfold,
-    model_inputs,
     mondrian_shift,
     pooled_shift,
 )
@@ -227,9 +227,9 @@ def test_lease_cap_floors_then_caps_by_kv_room() -> None:
 def test_fast_predictor_applies_per_bin_shift(fitted: tuple[pd.DataFrame, FitResult]) -> None:
     labels, fit = fitted
     shift = ConformalShift((4.0, 32.0), (0.3, -0.1, 0.05))
-    pred = SafeThroughputPredictor(fit.booster, shift, fit.cap)
+    pred = SafeThroughputPredictor(fit.booster, shift, fit.cap, inputs=fit.inputs)
     X = labels[list(FEATURES)].to_numpy()
-    raw = fit.booster.predict(model_inputs(X))
+    raw = fit.booster.predict(fit.inputs(X))
     want = fit.cap.apply(np.expm1(raw - shift.for_batch(X[:, 0])), X)
     np.testing.assert_allclose(pred.predict(X), want, rtol=1e-9)
     np.testing.assert_allclose([pred.safe_prefill_tokens_per_s(*row) for row in X[:40]], want[:40], rtol=1e-9)
@@ -240,18 +240,36 @@ def test_fit_is_conservative_out_of_fold(fitted: tuple[pd.DataFrame, FitResult])
     assert fit.cv_metrics["unsafe_share"] <= 0.02 + 1e-9
     assert (labels["limited_by"] == "kv").any() and (labels[LABEL] <= labels[ITL_LABEL]).all()
     assert fit.cv_metrics["mape"] < 0.5
-    assert set(fit.feature_importance()) == set(MODEL_FEATURES)
+    assert set(fit.feature_importance()) == {*MODEL_FEATURES, DECODE_STEP_INPUT}
     with pytest.raises(ValueError, match="monotone"):
         FitConfig(quantile_alpha=0.1)
 
 
+@pytest.fixture(scope="module")
+def fitted_without_step_input(fitted: tuple[pd.DataFrame, FitResult]) -> FitResult:
+    """The fit as it was before the decode-step input: batch and context constrained themselves."""
+    return fit_interference_model(fitted[0], TARGET, replace(SMALL, decode_step_input=False))
+
+
 @pytest.mark.parametrize(
-    "feature", ["decode_batch_size", "context_tokens_mean", "kv_occupancy", "remaining_output_tokens_mean"]
+    ("step_input", "feature"),
+    [
+        (False, "decode_batch_size"),
+        (False, "context_tokens_mean"),
+        (False, "kv_occupancy"),
+        (False, "remaining_output_tokens_mean"),
+        (True, "kv_occupancy"),
+        (True, "remaining_output_tokens_mean"),
+    ],
 )
 def test_non_increasing_along_constrained_features(
-    fitted: tuple[pd.DataFrame, FitResult], feature: str
+    fitted: tuple[pd.DataFrame, FitResult],
+    fitted_without_step_input: FitResult,
+    step_input: bool,
+    feature: str,
 ) -> None:
-    labels, fit = fitted
+    labels = fitted[0]
+    fit = fitted[1] if step_input else fitted_without_step_input
     rng = np.random.default_rng(0)
     base = labels[list(FEATURES)].to_numpy()[rng.choice(len(labels), 20, replace=False)]
     j = FEATURES.index(feature)
@@ -271,7 +289,7 @@ def test_fast_predictor_equals_lightgbm(artifact: Path, fitted: tuple[pd.DataFra
     # Also off-grid points and exact split thresholds (the `<=` boundary).
     X = np.vstack([X, X * rng.uniform(0.5, 1.5, X.shape)])
     np.testing.assert_allclose(
-        pred.raw_predict(X), fit.booster.predict(model_inputs(X)), rtol=1e-9, atol=1e-12
+        pred.raw_predict(X), fit.booster.predict(fit.inputs(X)), rtol=1e-9, atol=1e-12
     )
     np.testing.assert_allclose(pred.predict(X), fit.predict(X), rtol=1e-6)
     assert pred.fast_path  # LightGBM's C single-row path, not the slow fallback
@@ -409,13 +427,13 @@ def test_without_the_c_fast_path_the_single_call_falls_back_to_predict(
     import interference_model.predictor as predictor_module
 
     labels, fit = fitted
-    fast = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
+    fast = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap, inputs=fit.inputs)
 
     def unavailable(*_: Any) -> None:
         raise AttributeError("no single-row entry point in this LightGBM build")
 
     monkeypatch.setattr(predictor_module, "_SingleRow", unavailable)
-    slow = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap)
+    slow = SafeThroughputPredictor(fit.booster, fit.shift, fit.cap, inputs=fit.inputs)
     assert fast.fast_path and not slow.fast_path
     X = labels[list(FEATURES)].to_numpy()[:20]
     assert [slow.safe_prefill_tokens_per_s(*r) for r in X] == [fast.safe_prefill_tokens_per_s(*r) for r in X]

@@ -8,6 +8,7 @@ command returns an exit code and, with ``--json PATH``, writes its figures machi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shlex
 import time
@@ -30,7 +31,7 @@ def _fit_command(args: argparse.Namespace) -> str:
         "crossflow",
         "fit-interference",
         "--profiles",
-        str(args.profiles),
+        *(str(path) for path in args.profiles),
         "--itl-target",
         args.itl_target,
         "--horizon",
@@ -50,8 +51,9 @@ def _fit_command(args: argparse.Namespace) -> str:
     ]
     if args.quantile_alpha is not None:
         argv += ["--quantile-alpha", str(args.quantile_alpha)]
-    if args.shift_allocation != FitConfig().shift_allocation:
-        argv += ["--shift-allocation", args.shift_allocation]
+    # Spelled out whatever the defaults: the command must rebuild this artifact after they change.
+    argv += ["--shift-allocation", args.shift_allocation]
+    argv.append("--decode-step-input" if args.decode_step_input else "--no-decode-step-input")
     if args.no_kv_room:
         argv.append("--no-kv-room")
     return shlex.join(argv)
@@ -189,7 +191,13 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "step within the ITL target and the TPOT SLO, and its KV within room), fit LightGBM with grouped CV "
         "and a conformal shift, and write an artifact folder (model.txt + metadata.json).",
     )
-    p.add_argument("--profiles", required=True, help="Parquet profile file")
+    p.add_argument(
+        "--profiles",
+        required=True,
+        nargs="+",
+        help="Parquet profile file(s) of one hardware/model/TP; several files (e.g. drawn with different "
+        "seeds) are fitted as one set, each file's states their own cross-validation groups",
+    )
     p.add_argument(
         "--itl-target",
         default=DEFAULT_ITL_TARGET,
@@ -228,6 +236,14 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "for the lowest out-of-fold MAPE (default %(default)s)",
     )
     p.add_argument(
+        "--decode-step-input",
+        action=argparse.BooleanOptionalAction,
+        default=FitConfig().decode_step_input,
+        help="give the trees the step budget a decode-step model, fitted on the profiles' decode-only "
+        "steps, says the decode batch leaves (docs/interference_model.md, 'The decode step as an "
+        "input'; default %(default)s)",
+    )
+    p.add_argument(
         "--quantile-alpha",
         type=float,
         default=None,
@@ -249,44 +265,55 @@ def add_fit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 def run_fit(args: argparse.Namespace) -> int:
     from interference_model.artifact import log_artifact_to_wandb, save_artifact
     from interference_model.fit import fit_interference_model
-    from interference_model.labels import derive_labels
+    from interference_model.labels import concat_labels, derive_labels
     from interference_model.schema import profiles_sha256, read_profiles
 
     label = _label(args)
-    profiles = read_profiles(args.profiles)
-    keys = profiles[["hardware", "model", "tp"]].drop_duplicates()
-    if len(keys) != 1:
-        raise ValueError(f"{args.profiles}: one hardware/model/tp per fit, found {keys.to_dict('records')}")
-    hardware, model, tp = keys.iloc[0]["hardware"], keys.iloc[0]["model"], int(keys.iloc[0]["tp"])
-    labels = derive_labels(
-        profiles, label, cached_prefix_tokens=args.cached_prefix_tokens, source=str(args.profiles)
-    )
+    tables, hashes, setups = [], [], set()
+    for path in args.profiles:
+        profiles = read_profiles(path)
+        keys = profiles[["hardware", "model", "tp"]].drop_duplicates()
+        if len(keys) != 1:
+            raise ValueError(f"{path}: one hardware/model/tp per fit, found {keys.to_dict('records')}")
+        hardware, model, tp = keys.iloc[0]["hardware"], keys.iloc[0]["model"], int(keys.iloc[0]["tp"])
+        setups.add((str(hardware).lower(), str(model).lower(), tp))
+        if len(setups) > 1:
+            raise ValueError(f"{path}: profiles of {sorted(setups)} given together; fit one setup at a time")
+        tables.append(
+            derive_labels(profiles, label, cached_prefix_tokens=args.cached_prefix_tokens, source=str(path))
+        )
+        hashes.append(profiles_sha256(profiles))
+        del profiles  # a 16,000-state profile holds gigabytes; one at a time
+    labels = concat_labels(tables)
+    data_sha256 = hashes[0] if len(hashes) == 1 else hashlib.sha256("".join(hashes).encode()).hexdigest()
     config = FitConfig(
         quantile_alpha=args.quantile_alpha,
         monotone=args.quantile_alpha is None,
         unsafe_target=args.unsafe_target,
         min_lease_tokens=args.min_lease_tokens,
         shift_allocation=args.shift_allocation,
+        decode_step_input=args.decode_step_input,
         seed=args.seed,
     )
     t0 = time.perf_counter()
     try:
         fit = fit_interference_model(labels, label, config)
     except ValueError as exc:
-        raise ValueError(f"{args.profiles}: {exc}") from None
+        raise ValueError(f"{' '.join(args.profiles)}: {exc}") from None
     out = save_artifact(
         args.out,
         fit,
         hardware=hardware,
         model=model,
         tp=tp,
-        data_sha256=profiles_sha256(profiles),
+        data_sha256=data_sha256,
         extra={
             "command": _fit_command(args),
             "profiles_note": args.profiles_note,
             "cached_prefix_tokens": args.cached_prefix_tokens,
             "n_train_states": len(labels),
-            "profiles_file": Path(args.profiles).name,
+            "profiles_file": " ".join(Path(path).name for path in args.profiles),
+            "profiles_sha256": hashes,
             "label_limited_by": labels["limited_by"].value_counts().to_dict(),
             "seed": args.seed,
         },
@@ -395,9 +422,7 @@ def eval_predictors(
         "datasheet_roofline": inverted(datasheet_roofline(gpu, model, tp), "datasheet_roofline"),
     }
     if train is not None:
-        config = FitConfig(
-            **{k: v for k, v in meta["fit_config"].items() if k in FitConfig.__dataclass_fields__}
-        )
+        config = FitConfig.from_recorded(meta["fit_config"])
         predictors["linear"] = LinearBaseline(label, config).fit(train)
         predictors["utilisation_threshold"] = UtilisationThresholdBaseline(config.unsafe_target or 0.02).fit(
             train
