@@ -183,6 +183,13 @@ def test_fit_interference_takes_several_profiles_and_records_them(tmp_path: Path
     assert meta["command"].split("--profiles ")[1].startswith(" ".join(paths))
     assert "--shift-allocation pooled" in meta["command"] and "--decode-step-input" in meta["command"]
     assert meta["fit_config"]["decode_step_input"] is True
+    # The baselines fit on the same several profiles the model saw.
+    _profile(tmp_path / "test.parquet", "--seed", "7")
+    report = tmp_path / "eval.json"
+    test = str(tmp_path / "test.parquet")
+    args = ["eval-interference", "--no-wandb", "--artifact", str(out), "--profiles", test]
+    assert main([*args, "--train-profiles", *paths, "--json", str(report)]) == 0
+    assert {"linear", "utilisation_threshold"} <= set(json.loads(report.read_text())["metrics"])
     # Profiles of two setups are refused before anything is written.
     other = tmp_path / "other.parquet"
     _profile(other, "--model", "gpt-oss-20b")

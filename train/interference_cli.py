@@ -375,7 +375,9 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument(
         "--train-profiles",
         default=None,
-        help="training profiles, to fit the linear and utilisation baselines (skipped without)",
+        nargs="+",
+        help="training profiles (the artifact's own, all of them), to fit the linear and utilisation "
+        "baselines on what the model saw (skipped without)",
     )
     p.add_argument(
         "--reference-profiles",
@@ -472,7 +474,7 @@ def print_report(report: dict[str, Any]) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     from interference_model.artifact import artifact_label, load_booster, load_predictor
     from interference_model.evaluate import Targets, check_targets, evaluate, repeated_latency_us
-    from interference_model.labels import LABEL, derive_labels
+    from interference_model.labels import LABEL, concat_labels, derive_labels
     from interference_model.schema import FEATURES, read_profiles
 
     predictor = load_predictor(args.artifact)
@@ -484,11 +486,13 @@ def run_eval(args: argparse.Namespace) -> int:
     labels = derive_labels(test, label, cached_prefix_tokens=prefix, source=str(args.profiles))
     train = None
     if args.train_profiles:
-        train_profiles = read_profiles(args.train_profiles)
-        _check_same_setup(args.train_profiles, train_profiles, meta)
-        train = derive_labels(
-            train_profiles, label, cached_prefix_tokens=prefix, source=str(args.train_profiles)
-        )
+        tables = []
+        for path in args.train_profiles:
+            train_profiles = read_profiles(path)
+            _check_same_setup(path, train_profiles, meta)
+            tables.append(derive_labels(train_profiles, label, cached_prefix_tokens=prefix, source=str(path)))
+            del train_profiles
+        train = concat_labels(tables)
     predictors = eval_predictors(meta, test, train, label, predictor)
     reference = None
     if args.reference_profiles:
