@@ -160,6 +160,14 @@ class PoolHolders:
         return sum(n for e, n in self.ends.get(origin, {}).items() if e >= end)
 
 
+_END, _FIRST, _UP, _KIDS, _STAMP = range(5)
+"""Fields of a cached origin's node (a list, so one dictionary read reaches them all): the end page up
+to which its run is cached; the first page of its run (the same in every request that holds it); the
+origin of the run before it (its parent in the tree; -1 for a root); how many cached origins have it
+as their parent (0: a leaf); its last touch as far as known (touches stamp their deepest origin only,
+and an evicted origin hands its stamp up to its parent: see the module docstring)."""
+
+
 class PrefixCache:
     """One worker's LRU prefix cache, counted in pages (the module docstring says how it is indexed).
 
@@ -167,20 +175,7 @@ class PrefixCache:
     cache's worker), see ``pool_caches`` and ``match_in_pool``.
     """
 
-    __slots__ = (
-        "_end",
-        "_first",
-        "_heap",
-        "_holders",
-        "_kids",
-        "_owner",
-        "_stamp",
-        "_touches",
-        "_up",
-        "capacity_pages",
-        "index",
-        "used_pages",
-    )
+    __slots__ = ("_heap", "_holders", "_nodes", "_owner", "_touches", "capacity_pages", "index", "used_pages")
 
     def __init__(
         self,
@@ -193,17 +188,8 @@ class PrefixCache:
         self.index = index
         self.capacity_pages = capacity_pages
         self.used_pages = 0
-        self._end: dict[int, int] = {}
-        """origin -> the end page up to which its run is cached."""
-        self._first: dict[int, int] = {}
-        """origin -> the first page of its run (the same in every request that holds it)."""
-        self._up: dict[int, int] = {}
-        """origin -> the origin of the run before it (its parent in the tree; -1 for a root)."""
-        self._kids: dict[int, int] = {}
-        """origin -> how many cached origins have it as their parent (0: a leaf)."""
-        self._stamp: dict[int, int] = {}
-        """origin -> its last touch, as far as known: touches stamp their deepest origin only, and an
-        evicted origin hands its stamp up to its parent (see the module docstring)."""
+        self._nodes: dict[int, list[int]] = {}
+        """origin -> its node (``_END``, ``_FIRST``, ``_UP``, ``_KIDS``, ``_STAMP``), for cached origins."""
         self._heap: list[tuple[int, int]] = []
         """``(stamp, origin)`` of leaves, the least recently touched first; entries whose origin has
         since been touched again, got a child or was evicted are stale and skipped."""
@@ -211,37 +197,39 @@ class PrefixCache:
         self._holders = holders
         self._owner = owner
 
+    def cached_ends(self) -> dict[int, int]:
+        """origin -> the end page up to which its run is cached, for every cached origin."""
+        return {origin: node[_END] for origin, node in self._nodes.items()}
+
     def _deepest(self, origins: tuple[int, ...]) -> int:
         """Index of the deepest of a request's segments whose origin is cached here (-1: none). The
         cached ones are a prefix of the segments, so the last two are tried and then a bisection."""
-        end = self._end
+        nodes = self._nodes
         n = len(origins)
-        if not n or origins[0] not in end:
+        if not n or origins[0] not in nodes:
             return -1
-        if origins[n - 1] in end:
+        if origins[n - 1] in nodes:
             return n - 1
-        if n < 3 or origins[n - 2] in end:
+        if n < 3 or origins[n - 2] in nodes:
             return n - 2
         lo, hi = 0, n - 2  # origins[lo] cached, origins[hi] not
         while hi - lo > 1:
             mid = (lo + hi) >> 1
-            if origins[mid] in end:
+            if origins[mid] in nodes:
                 lo = mid
             else:
                 hi = mid
         return lo
 
-    def _touch(self, origin: int) -> None:
+    def _touch(self, origin: int, node: list[int]) -> None:
         """A lookup or insert touched the root path down to ``origin`` (most recent now)."""
         self._touches += 1
-        stamp = self._touches
-        self._stamp[origin] = stamp
-        if not self._kids[origin]:
+        stamp = node[_STAMP] = self._touches
+        if not node[_KIDS]:
             heap = self._heap
             heapq.heappush(heap, (stamp, origin))
-            if len(heap) > 2 * len(self._end) + 64:  # drop the stale entries
-                kids, stamps = self._kids, self._stamp
-                self._heap = [(stamps[o], o) for o in self._end if not kids[o]]
+            if len(heap) > 2 * len(self._nodes) + 64:  # drop the stale entries
+                self._heap = [(n[_STAMP], o) for o, n in self._nodes.items() if not n[_KIDS]]
                 heapq.heapify(self._heap)
 
     def match_tokens(self, request_id: int, *, touch: bool = False) -> int:
@@ -251,9 +239,10 @@ class PrefixCache:
         if j < 0:
             return 0
         origin, first, end = segs[j]
-        cached_end = self._end[origin]
+        node = self._nodes[origin]
         if touch:
-            self._touch(origin)
+            self._touch(origin, node)
+        cached_end = node[_END]
         return (before[j] + (cached_end if cached_end < end else end) - first) * self.index.page_tokens
 
     def _walk(self, runs: Runs) -> tuple[int, int]:
@@ -263,7 +252,7 @@ class PrefixCache:
         if j < 0:
             return 0, 0
         _, first, end = segs[j]
-        cached_end = self._end[origins[j]]
+        cached_end = self._nodes[origins[j]][_END]
         if cached_end < end:
             return before[j] + cached_end - first, j
         return before[j] + end - first, j + 1
@@ -276,30 +265,28 @@ class PrefixCache:
                 self.evict_to(self.capacity_pages)
             return
         j = self._deepest(origins)
-        end_of, holders = self._end, self._holders
+        nodes, holders = self._nodes, self._holders
         if j >= 0:  # the segments before j are cached to their ends already (module docstring)
             origin, _, end = segs[j]
-            cached_end = end_of[origin]
+            node = nodes[origin]
+            cached_end = node[_END]
             if end > cached_end:
-                end_of[origin] = end
+                node[_END] = end
                 self.used_pages += end - cached_end
                 if holders is not None:
                     holders.extend(origin, cached_end, end)
-        kids, stamps = self._kids, self._stamp
+        up = origins[j] if j >= 0 else -1
         for k in range(j + 1, len(segs)):
             origin, first, end = segs[k]
-            end_of[origin] = end
-            self._first[origin] = first
-            kids[origin] = 0
-            stamps[origin] = 0  # touched below through its deepest descendant (module docstring)
-            up = origins[k - 1] if k else -1
-            self._up[origin] = up
+            # stamp 0: touched below through its deepest descendant (module docstring)
+            node = nodes[origin] = [end, first, up, 0, 0]
             if up >= 0:
-                kids[up] += 1
+                nodes[up][_KIDS] += 1
+            up = origin
             self.used_pages += end - first
             if holders is not None:
                 holders.add(origin, self._owner, end)
-        self._touch(origins[-1])
+        self._touch(origins[-1], nodes[origins[-1]])
         if self.used_pages > self.capacity_pages:
             self.evict_to(self.capacity_pages, keep=origins[0])
 
@@ -310,40 +297,41 @@ class PrefixCache:
         run of the request it just cached, so a request larger than the cache keeps its prefix start.
         """
         self.capacity_pages = capacity_pages
-        end_of, kids, stamps, heap = self._end, self._kids, self._stamp, self._heap
+        nodes, heap, holders = self._nodes, self._heap, self._holders
         nxt = -1  # a leaf known to be the LRU entry without asking the heap (it is not in it)
-        while self.used_pages > capacity_pages and end_of:
+        while self.used_pages > capacity_pages and nodes:
             if nxt >= 0:
-                origin, stamp = nxt, stamps[nxt]
+                origin = nxt
+                stamp = nodes[origin][_STAMP]
             else:
                 stamp, origin = heap[0]
-                if origin not in end_of or kids[origin] or stamps[origin] != stamp:
+                node = nodes.get(origin)
+                if node is None or node[_KIDS] or node[_STAMP] != stamp:
                     heapq.heappop(heap)  # stale
                     continue
-            if origin == keep and len(end_of) == 1:
+            if origin == keep and len(nodes) == 1:
                 break
             if nxt >= 0:
                 nxt = -1
             else:
                 heapq.heappop(heap)
-            end = end_of.pop(origin)
-            self.used_pages -= end - self._first.pop(origin)
-            del kids[origin], stamps[origin]
-            up = self._up.pop(origin)
+            end, first, up, _, _ = nodes.pop(origin)
+            self.used_pages -= end - first
             if up >= 0:  # the parent was touched whenever this was: it inherits the later stamp
-                if stamps[up] < stamp:
-                    stamps[up] = stamp
-                kids[up] -= 1
-                if not kids[up]:
+                parent = nodes[up]
+                if parent[_STAMP] < stamp:
+                    parent[_STAMP] = stamp
+                parent[_KIDS] -= 1
+                if not parent[_KIDS]:
                     # a leaf now; with the stamp just evicted (no other leaf has it) it is the LRU one
-                    if stamps[up] == stamp:
+                    if parent[_STAMP] == stamp:
                         nxt = up
                     else:
-                        heapq.heappush(heap, (stamps[up], up))
-            if self._holders is not None:
-                self._holders.remove(origin, self._owner, end)
+                        heapq.heappush(heap, (parent[_STAMP], up))
+            if holders is not None:
+                holders.remove(origin, self._owner, end)
         if nxt >= 0:
-            heapq.heappush(heap, (stamps[nxt], nxt))
+            heapq.heappush(heap, (nodes[nxt][_STAMP], nxt))
 
 
 def pool_caches(index: PrefixIndex, n_workers: int, capacity_pages: int) -> list[PrefixCache]:
@@ -386,7 +374,7 @@ def match_in_pool(
             # caches the run to its end here, all match the same; no need to walk them one by one.
             if holders.holding_at_least(origin, end) == len(caches):
                 return UniformMatches((runs[2][j] + end - first) * page, len(caches), eligible)
-        if owners and eligible is not None:
+        if owners and eligible is not None and not all_eligible:
             owners = {i for i in owners if eligible(i)}
         if not owners:
             continue

@@ -124,7 +124,7 @@ def test_indexed_cache_matches_a_walking_lru(seed: int) -> None:
         for cache, ref in zip(caches, refs, strict=True):
             assert cache.used_pages == ref.used_pages
             assert {o: cache.match_tokens(o) for o in ref.end} == {o: ref.match_tokens(o) for o in ref.end}
-            assert len(cache._end) == len(ref.end) and dict(cache._end) == dict(ref.end)
+            assert cache.cached_ends() == dict(ref.end)
 
 
 def test_a_plain_cache_without_holders_matches_too() -> None:
@@ -136,4 +136,4 @@ def test_a_plain_cache_without_holders_matches_too() -> None:
         assert cache.match_tokens(int(rid), touch=True) == ref.match_tokens(int(rid), touch=True)
         cache.insert(int(rid))
         ref.insert(int(rid))
-        assert dict(cache._end) == dict(ref.end) and cache.used_pages == ref.used_pages
+        assert cache.cached_ends() == dict(ref.end) and cache.used_pages == ref.used_pages
