@@ -159,12 +159,18 @@ class WorkerPool:
     def _moved(self, worker: int, delta: int) -> None:
         if worker in self._cand_set:
             self._cand_load += delta
-        old = self._by_load[self.load[worker] - delta]
-        del old[bisect.bisect_left(old, worker)]
-        if not old:
-            del self._by_load[self.load[worker] - delta]
-        bisect.insort(self._by_load.setdefault(self.load[worker], []), worker)
-        heapq.heappush(self._heap, (self.load[worker], self.processed[worker], worker))
+        by_load, load = self._by_load, self.load[worker]
+        old = by_load[load - delta]
+        if len(old) == 1:  # it was alone at its old load
+            del by_load[load - delta]
+        else:
+            del old[bisect.bisect_left(old, worker)]
+        peers = by_load.get(load)
+        if peers is None:
+            by_load[load] = [worker]
+        else:
+            bisect.insort(peers, worker)
+        heapq.heappush(self._heap, (load, self.processed[worker], worker))
         if len(self._heap) > 4 * len(self.load) + 64:  # drop stale entries
             self._heap = [(self.load[i], self.processed[i], i) for i in range(len(self.load))]
             heapq.heapify(self._heap)
@@ -352,14 +358,23 @@ class CacheAware:
                 return pool.least_loaded()
             ties = pool.least_loaded_ties()
             return ties[0] if len(ties) == 1 else ties[int(rng.integers(len(ties)))]
-        held = {i: m for i, m in matches.items() if m > 0 and pool.is_candidate(i)}
-        best = max(held.values(), default=0)
+        # the candidates holding the longest match, ascending (tenants), and that match
+        best, tenants = 0, []
+        for i, m in matches.items():
+            if m >= best and m > 0 and pool.is_candidate(i):
+                if m > best:
+                    best, tenants = m, [i]
+                else:
+                    tenants.append(i)
         if input_tokens <= 0 or best / input_tokens <= self.config.cache_threshold:
             return pool.least_loaded()
-        tenants = sorted(i for i, m in held.items() if m == best)
-        lowest = min(load[i] for i in tenants)
-        holders = [i for i in tenants if load[i] == lowest]
-        chosen = holders[0] if len(holders) == 1 else holders[int(rng.integers(len(holders)))]
+        if len(tenants) == 1:
+            chosen = tenants[0]
+        else:
+            tenants.sort()
+            lowest = min(load[i] for i in tenants)
+            holders = [i for i in tenants if load[i] == lowest]
+            chosen = holders[0] if len(holders) == 1 else holders[int(rng.integers(len(holders)))]
         mean = pool.mean_candidate_load()
         cfg = self.config
         if load[chosen] > mean * cfg.balance_rel_threshold and load[chosen] > mean + cfg.spill_margin(mean):
