@@ -222,6 +222,9 @@ class DecodeWorker:
     """A jump's iteration times in integer nanoseconds, their running sums (from 0) and the index of
     the first iteration over the TPOT SLO, made at its first partial application when its times never
     decrease (``Simulator._account_jump``); ``None`` otherwise and at every new jump."""
+    iter_ascending: bool = False
+    """The jump's iteration times are known not to decrease (a decode jump's are, when the time per
+    context token is not negative), so ``Simulator._account_jump`` need not check them."""
     iter_decode_only_s: float = 0.0
     iter_prefill: list[tuple[ReqState, int]] = field(default_factory=list)
     iter_credit_wait: bool = False

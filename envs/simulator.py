@@ -584,10 +584,13 @@ class Simulator:
         self._next_load_poll_s = (math.floor(self.now_s / interval) + 1) * interval
         prefill_flags = []
         for pw in self.prefill:
-            waiting = sum(1 for r in pw.queue if not r.started)
-            held = sum(r.done for r in pw.queue if r.started)
-            usage = held / self.cm.kv_capacity_tokens
-            prefill_flags.append(rule.is_overloaded(waiting, usage))
+            waiting = held = 0
+            for r in pw.queue:
+                if r.started:
+                    held += r.done
+                else:
+                    waiting += 1
+            prefill_flags.append(rule.is_overloaded(waiting, held / self.cm.kv_capacity_tokens))
         decode_flags = []
         for w in self.decode:
             self._sync(w)
@@ -731,6 +734,18 @@ class Simulator:
     # ---------------------------------------------------------------- prefill workers
     def _start_prefill_iteration(self, pw: PrefillWorker) -> None:
         budget = self.config.prefill_chunk_tokens
+        queue = pw.queue
+        if queue:
+            head = queue[0]
+            if head.started and head.input - head.done >= budget:
+                # A started request at the head with a budget or more left fills this iteration
+                # alone (what the loop below finds; most iterations of a long prompt are these).
+                pw.busy = True
+                pw.batch = [(head, budget)]
+                dt = self.cm.iteration_time_s(((budget, head.done),))
+                pw.busy_s += dt
+                self._push(self.now_s + dt, _EV_PREFILL, pw.idx, 0)
+                return
         batch: list[tuple[ReqState, int]] = []
         chunks: list[tuple[int, int]] = []
         for req in pw.queue:
@@ -761,15 +776,16 @@ class Simulator:
         pw = self.prefill[idx]
         if self.listener is not None:
             self.listener.on_prefill_iteration(pw)
+        counters = self.counters
         for req, take in pw.batch:
-            req.done += take
-            self.counters.prefill_tokens += take
+            done = req.done = req.done + take
+            counters.prefill_tokens += take
             pw.queued_tokens -= take
             # this chunk's KV (and, with the first chunk, the cached prefix) goes to D now
             lo = max(req.sent_upto, req.d_cached)
-            landed_s = self._link_transfer(pw, self.decode[req.decode_worker], max(0, req.done - lo))
-            req.sent_upto = req.done
-            if req.done >= req.input:
+            landed_s = self._link_transfer(pw, self.decode[req.decode_worker], done - lo if done > lo else 0)
+            req.sent_upto = done
+            if done >= req.input:
                 self._states_unchanged = False
                 pw.queue.remove(req)
                 pw.cache.insert(req.rid)
@@ -864,34 +880,47 @@ class Simulator:
 
     def _account_jump(self, w: DecodeWorker, start: int, upto: int, n: int) -> bool:
         """``_account(w, times, times, n)`` for iterations ``[start, upto)`` (at least two) of ``w``'s
-        jump, from nanosecond counts and running sums made once per jump (``DecodeWorker.iter_ns``): a
-        jump applied in pieces (every control interval reads the node) costs one subtraction a piece.
-        The same integers: the rounding is elementwise and integer sums are exact, and in times that
-        never decrease the iterations over the SLO are those from one index on. False (nothing done)
-        for a jump whose times decrease somewhere."""
+        jump. A jump applied in pieces (every control interval reads the node) makes its nanosecond
+        counts and their running sums once (``DecodeWorker.iter_ns``) and costs one subtraction a
+        piece; one applied whole needs no running sums. The same integers: the rounding is
+        elementwise and integer sums are exact, and in times that never decrease the iterations over
+        the SLO are those from one index on. False (nothing done) for a jump whose times decrease
+        somewhere."""
         pre = w.iter_ns
         if pre is None:
-            arr = np.asarray(w.iter_times_s, dtype=np.float64)
-            if len(arr) > 1 and not bool((arr[1:] >= arr[:-1]).all()):
+            arr = w.iter_times_s
+            assert isinstance(arr, np.ndarray)
+            if not w.iter_ascending and not bool((arr[1:] >= arr[:-1]).all()):
                 return False
             ns = np.rint(arr * 1e9).astype(np.int64)
+            over_from = int(np.searchsorted(arr, self.config.slo_tpot_s, "right"))
+            if start == 0 and upto == len(arr):  # the whole jump at once
+                self._add_jump_piece(w, arr, ns, int(ns.sum()), over_from, n)
+                return True
             sums = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(ns)))
-            pre = w.iter_ns = (ns, sums, int(np.searchsorted(arr, self.config.slo_tpot_s, "right")))
+            pre = w.iter_ns = (ns, sums, over_from)
         ns, sums, over_from = pre
-        m = upto - start
         total = int(sums[upto] - sums[start])
+        self._add_jump_piece(w, w.iter_times_s[start:upto], ns[start:upto], total, over_from - start, n)
+        return True
+
+    def _add_jump_piece(
+        self, w: DecodeWorker, times: np.ndarray, ns: np.ndarray, total: int, over_from: int, n: int
+    ) -> None:
+        """Account ascending iterations ``times`` of a jump (``ns``: in integer nanoseconds, summing to
+        ``total``; those from index ``over_from`` on are over the TPOT SLO), each of ``n`` tokens."""
+        m = len(ns)
         w.busy_ns += total
         w.step_time_ns += total
         w.decode_only_ns += total
         if n:
-            w.itl.add_many(w.iter_times_s[start:upto], n, ascending=True, ns=ns[start:upto], ns_sum=total)
-            over = upto - max(start, over_from)
+            w.itl.add_many(times, n, ascending=True, ns=ns, ns_sum=total)
+            over = m - max(0, over_from)
             if over > 0:
                 self.counters.itl_slo_miss_tokens += over * n
         w.step_count += m
         w.decode_tokens_total += n * m
         w.iterations += m
-        return True
 
     def _account(
         self, w: DecodeWorker, times: list[float] | np.ndarray, decode_only: list[float] | np.ndarray, n: int
@@ -1136,19 +1165,30 @@ class Simulator:
 
     def _start_decode_iteration(self, w: DecodeWorker) -> None:
         cfg = self.config
-        self._admit(w)
-        # Every decoding request grows by one token per iteration; retract until that fits.
-        growing = sum(1 for r in w.running if not r.needs_recompute)
-        while growing and not self._make_room(w, growing):
+        if w.waiting or w.retracted:
+            self._admit(w)
+        running = w.running
+        while True:
+            # Every decoding request grows by one token per iteration (those recomputing their
+            # context prefill it first); retract until that fits.
+            batch = ctx = 0
+            prefill: list[tuple[ReqState, int]] = []
+            for r in running:
+                if r.needs_recompute:
+                    prefill.append((r, r.context))
+                else:
+                    batch += 1
+                    ctx += r.context
+            if not batch or self._make_room(w, batch):
+                break
             self._retract(w)
-            growing = sum(1 for r in w.running if not r.needs_recompute)
-        prefill = [(req, req.context) for req in w.running if req.needs_recompute]
-        batch = len(w.running) - len(prefill)
-        ctx = sum(r.context for r in w.running if not r.needs_recompute)
+        growing = batch
         fixed_s, per_ctx_s = self._decode_linear(batch) if batch else (0.0, 0.0)
         decode_step = fixed_s + ctx * per_ctx_s if batch else 0.0
-        prefill.extend(self._take_borrowed_chunks(w, batch, ctx))
-        prefill.extend(self._take_local_chunks(w))
+        if w.borrowed:
+            prefill.extend(self._take_borrowed_chunks(w, batch, ctx))
+        if w.local:
+            prefill.extend(self._take_local_chunks(w))
         if batch == 0 and not prefill:
             w.busy = False
             self._wake_when_credit(w)
@@ -1159,10 +1199,11 @@ class Simulator:
         lending = bool(w.borrowed) and w.bucket.rate_tokens_per_s > 0
         credit_wait = not prefill and lending and self._credit_short(w)
         if not prefill and (credit_wait or not lending):
-            k = min(cfg.max_decode_jump_iters, min(r.output - r.generated for r in w.running))
+            k = min(cfg.max_decode_jump_iters, min([r.output - r.generated for r in running]))
             k = max(1, min(k, (w.capacity_tokens - w.kv_used) // growing))
         times: list[float] | np.ndarray
         ends: list[float] | np.ndarray
+        ascending = False
         if prefill:
             chunks = [(take, 0 if req.needs_recompute else req.done) for req, take in prefill]
             t = self.cm.iteration_time_s(chunks, batch, ctx)
@@ -1172,6 +1213,7 @@ class Simulator:
         else:  # k identical iterations: exactly the times and clock that k single events would give
             times = fixed_s + (ctx + np.arange(k, dtype=np.float64) * batch) * per_ctx_s
             ends = np.add.accumulate(np.concatenate(([self.now_s], times)))[1:]
+            ascending = per_ctx_s >= 0  # rounding is monotone: exact integers times a factor >= 0
             if credit_wait:
                 j = self._credit_iterations(w, ends)
                 times, ends = times[:j], ends[:j]
@@ -1179,6 +1221,7 @@ class Simulator:
         w.generation += 1
         w.iter_times_s, w.iter_ends_s, w.iter_applied = times, ends, 0
         w.iter_ns = None
+        w.iter_ascending = ascending
         w.iter_decode_only_s = decode_step
         w.iter_prefill = prefill
         w.iter_credit_wait = credit_wait
