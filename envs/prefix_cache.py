@@ -134,8 +134,13 @@ class PoolHolders:
         """origin -> {cached end page: how many workers cache the run that far}."""
 
     def add(self, origin: int, owner: int, end: int) -> None:
-        self.owners.setdefault(origin, set()).add(owner)
-        ends = self.ends.setdefault(origin, {})
+        owners = self.owners.get(origin)
+        if owners is None:
+            self.owners[origin] = {owner}
+            self.ends[origin] = {end: 1}
+            return
+        owners.add(owner)
+        ends = self.ends[origin]
         ends[end] = ends.get(end, 0) + 1
 
     def extend(self, origin: int, old_end: int, new_end: int) -> None:

@@ -281,10 +281,15 @@ class LeasePath(PathPolicy):
         super().observe(now_s, states)
         if self.mixed_share_budget is None:
             return
+        tokens = self._tokens
         for s in states:
-            decode, mixed = self._tokens.setdefault(
-                s.node_id, (DecayedSum(self.mixed_share_window_s), DecayedSum(self.mixed_share_window_s))
-            )
+            pair = tokens.get(s.node_id)
+            if pair is None:
+                pair = tokens[s.node_id] = (
+                    DecayedSum(self.mixed_share_window_s),
+                    DecayedSum(self.mixed_share_window_s),
+                )
+            decode, mixed = pair
             seen_decode, seen_mixed = self._seen_totals.get(s.node_id, (0, 0))
             if s.decode_tokens_total < seen_decode or s.mixed_decode_tokens_total < seen_mixed:
                 seen_decode = seen_mixed = 0  # the node restarted
