@@ -75,12 +75,19 @@ class OverloadProtection:
         return waiting_requests >= self.waiting_requests or token_usage >= self.token_usage
 
 
+SCANNED_POOL_WORKERS = 16
+"""Pools of at most this many workers find their least-loaded worker by a scan (``WorkerPool``)."""
+
+
 class WorkerPool:
     """A router's per-worker view of one pool: in-flight requests, dispatch counts, overload flags.
 
     Indexed so a choice costs the same in a pool of 4 workers as in one of 256: the least-loaded
     candidate comes from a heap (stale entries dropped lazily), the candidates' mean load from a
     running sum, and the candidate list changes only when a load poll changes the overload flags.
+    A pool of at most ``SCANNED_POOL_WORKERS`` keeps no heap: scanning it is cheaper than keeping one
+    up to date at every dispatch and finish (the same choice: fewest in-flight, fewest dispatched,
+    lowest index).
     """
 
     __slots__ = (
@@ -112,9 +119,10 @@ class WorkerPool:
         self._cand_set = frozenset(self._candidates)
         self._all_candidates = True
         self._cand_load = 0
-        self._heap = [(0, 0, i) for i in range(n_workers)]
-        self._by_load: dict[int, list[int]] = {0: list(range(n_workers))}
-        """Workers at each in-flight count, ascending."""
+        indexed = n_workers > SCANNED_POOL_WORKERS
+        self._heap = [(0, 0, i) for i in range(n_workers)] if indexed else None
+        self._by_load: dict[int, list[int]] | None = {0: list(range(n_workers))} if indexed else None
+        """Workers at each in-flight count, ascending (``None`` with the heap: a scanned pool)."""
         self.same_instant_race = same_instant_race
         """Model smg 1.13.0's race between selection and load accounting: dispatches made at one
         instant become visible to choices made at a later instant only (``dispatched(w, now_s)``
@@ -160,6 +168,8 @@ class WorkerPool:
         if worker in self._cand_set:
             self._cand_load += delta
         by_load, load = self._by_load, self.load[worker]
+        if by_load is None or self._heap is None:  # a scanned pool
+            return
         old = by_load[load - delta]
         if len(old) == 1:  # it was alone at its old load
             del by_load[load - delta]
@@ -222,6 +232,8 @@ class WorkerPool:
                     best = i
             return best
         heap, skipped = self._heap, []
+        if heap is None:  # a scanned pool
+            return self.least_loaded(self._candidates)
         while True:
             entry = heap[0]
             ld, pr, i = entry
@@ -238,6 +250,8 @@ class WorkerPool:
     def least_loaded_ties(self) -> list[int]:
         """The candidates with the fewest in-flight requests, ascending."""
         lowest = self.load[self.least_loaded()]
+        if self._by_load is None:  # a scanned pool
+            return [i for i in self._candidates if self.load[i] == lowest]
         return [i for i in self._by_load[lowest] if i in self._cand_set]
 
 

@@ -157,21 +157,27 @@ def test_registry_and_pool_counters() -> None:
         pool.finished(0)
 
 
-def test_indexed_pool_agrees_with_a_scan_under_random_traffic() -> None:
-    """The heap-backed least-loaded pick equals a plain scan, with overload flags changing too."""
+@pytest.mark.parametrize("n", [9, 40])
+def test_indexed_pool_agrees_with_a_scan_under_random_traffic(n: int) -> None:
+    """The least-loaded pick and its ties equal a plain scan, with overload flags changing too: in a
+    pool of 40 from the heap and the per-load lists, in one of 9 (a scanned pool) by its own scan."""
+    from policies.routing import SCANNED_POOL_WORKERS
+
+    assert (n > SCANNED_POOL_WORKERS) == (n == 40)
     rng = np.random.default_rng(11)
-    pool = WorkerPool(9)
+    pool = WorkerPool(n)
     for step in range(3000):
-        i = int(rng.integers(9))
+        i = int(rng.integers(n))
         if pool.load[i] and rng.random() < 0.45:
             pool.finished(i)
         else:
             pool.dispatched(i)
         if step % 97 == 0:
-            pool.set_overloaded([bool(x) for x in rng.random(9) < 0.3])
-        cands = [j for j in range(9) if not pool.overloaded[j]] or list(range(9))
+            pool.set_overloaded([bool(x) for x in rng.random(n) < 0.3])
+        cands = [j for j in range(n) if not pool.overloaded[j]] or list(range(n))
         scan = min(cands, key=lambda j: (pool.load[j], pool.processed[j], j))
         assert pool.least_loaded() == scan
+        assert pool.least_loaded_ties() == [j for j in cands if pool.load[j] == pool.load[scan]]
         assert pool.mean_candidate_load() == pytest.approx(sum(pool.load[j] for j in cands) / len(cands))
 
 
