@@ -255,6 +255,10 @@ class Simulator:
         """Control intervals run, and those of them the scheduler replayed."""
         self.rejected_context = 0
         self._decode_terms: dict[int, tuple[float, float]] = {}
+        self._chunk_times: dict[int, float] = {}
+        """Cached prefix -> the time of a prefill iteration of one chunk of ``prefill_chunk_tokens``
+        after it (``_start_prefill_iteration``): the cost model is a pure function, and a long
+        prompt's full chunks start at cached prefixes that recur from request to request."""
         self._event_kind = _EV_RELEASE
         self.node_timeline: list[tuple[float, int, float, int, int]] = []
         self._tick_pending = False
@@ -742,7 +746,11 @@ class Simulator:
                 # alone (what the loop below finds; most iterations of a long prompt are these).
                 pw.busy = True
                 pw.batch = [(head, budget)]
-                dt = self.cm.iteration_time_s(((budget, head.done),))
+                dt = self._chunk_times.get(head.done)
+                if dt is None:
+                    if len(self._chunk_times) >= 1 << 16:  # a bound on memory
+                        self._chunk_times.clear()
+                    dt = self._chunk_times[head.done] = self.cm.iteration_time_s(((budget, head.done),))
                 pw.busy_s += dt
                 self._push(self.now_s + dt, _EV_PREFILL, pw.idx, 0)
                 return
