@@ -250,18 +250,6 @@ class PrefixCache:
         cached_end = node[_END]
         return (before[j] + (cached_end if cached_end < end else end) - first) * self.index.page_tokens
 
-    def _walk(self, runs: Runs) -> tuple[int, int]:
-        """(matched pages, index of the segment a walk from the root stops in, or ``len(segs)``)."""
-        segs, origins, before = runs
-        j = self._deepest(origins)
-        if j < 0:
-            return 0, 0
-        _, first, end = segs[j]
-        cached_end = self._nodes[origins[j]][_END]
-        if cached_end < end:
-            return before[j] + cached_end - first, j
-        return before[j] + end - first, j + 1
-
     def insert(self, request_id: int) -> None:
         """Cache all of the request's input pages (after its prefill), evicting LRU runs as needed."""
         segs, origins, _ = self.index.runs(request_id)
@@ -356,11 +344,12 @@ def match_in_pool(
     holds the longest match of the request's prefix among them — exactly the workers a cache-aware
     router can pick on a hit.
 
-    Only the eligible holders of the deepest run any of them holds are walked: a worker without that
-    run matches at most up to where it starts, less than any holder. (A holder whose walk stops
-    earlier would break that argument; then every eligible worker is walked.) When every worker
-    holds that run to its end and ``all_eligible`` says no worker is left out, the answer is a
-    ``policies.routing.UniformMatches`` (constant time in the pool size).
+    Only the eligible holders of the deepest run any of them holds are answered: a worker without that
+    run matches at most up to where it starts, less than any holder. A holder's match is the pages
+    before that run plus what it caches of it: cached runs are closed under ancestors, and it holds
+    no deeper run of the request. When every worker holds that run to its end and ``all_eligible``
+    says no worker is left out, the answer is a ``policies.routing.UniformMatches`` (constant time in
+    the pool size).
     """
     if not caches:
         return {}
@@ -383,16 +372,10 @@ def match_in_pool(
             owners = {i for i in owners if eligible(i)}
         if not owners:
             continue
+        pages_before = runs[2][j] - first
         out: dict[int, int] = {}
         for i in owners:
-            matched, stop = caches[i]._walk(runs)
-            if stop < j:
-                break
-            out[i] = matched * page
-        else:
-            return out
-        everyone = {
-            i: c._walk(runs)[0] * page for i, c in enumerate(caches) if eligible is None or eligible(i)
-        }
-        return {i: m for i, m in everyone.items() if m}
+            cached_end = caches[i]._nodes[origin][_END]
+            out[i] = (pages_before + (cached_end if cached_end < end else end)) * page
+        return out
     return {}
