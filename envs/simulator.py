@@ -1219,7 +1219,10 @@ class Simulator:
         elif k == 1:
             times, ends = [decode_step], [self.now_s + decode_step]
         else:  # k identical iterations: exactly the times and clock that k single events would give
-            times = fixed_s + (ctx + np.arange(k, dtype=np.float64) * batch) * per_ctx_s
+            # each iteration's context: exact integers in floats (ctx + i * batch), then its time
+            times = np.arange(ctx, ctx + k * batch, batch, dtype=np.float64)
+            times *= per_ctx_s
+            times += fixed_s
             ends = np.add.accumulate(np.concatenate(([self.now_s], times)))[1:]
             ascending = per_ctx_s >= 0  # rounding is monotone: exact integers times a factor >= 0
             if credit_wait:
