@@ -895,9 +895,9 @@ class Simulator:
         the SLO are those from one index on. False (nothing done) for a jump whose times decrease
         somewhere."""
         pre = w.iter_ns
+        arr = w.iter_times_s
+        assert isinstance(arr, np.ndarray)  # a jump's times are an array (``_start_decode_iteration``)
         if pre is None:
-            arr = w.iter_times_s
-            assert isinstance(arr, np.ndarray)
             if not w.iter_ascending and not bool((arr[1:] >= arr[:-1]).all()):
                 return False
             ns = np.rint(arr * 1e9).astype(np.int64)
@@ -909,7 +909,7 @@ class Simulator:
             pre = w.iter_ns = (ns, sums, over_from)
         ns, sums, over_from = pre
         total = int(sums[upto] - sums[start])
-        self._add_jump_piece(w, w.iter_times_s[start:upto], ns[start:upto], total, over_from - start, n)
+        self._add_jump_piece(w, arr[start:upto], ns[start:upto], total, over_from - start, n)
         return True
 
     def _add_jump_piece(
