@@ -250,7 +250,7 @@ def load_predictor(
             tuple(float(e) for e in meta["shift_batch_edges"]), tuple(float(v) for v in meta["log_shifts"])
         )
         cap = LeaseCap(
-            artifact_label(meta), float(meta["kv_capacity_tokens"]), float(meta["min_rate_tokens_per_s"])
+            inputs.label, float(meta["kv_capacity_tokens"]), float(meta["min_rate_tokens_per_s"])
         )
         return SafeThroughputPredictor(booster, shift, cap, meta, inputs)
     except (lgb.basic.LightGBMError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:

@@ -301,10 +301,6 @@ class ModelInputs:
         t = self.decode_step.time_s(Z[:, 0], Z[:, len(FEATURES)])
         return np.column_stack([Z, self.label.step_budget_s(t) - t])
 
-    def decode_step_slack_one(self, decode_batch_size: float, context_tokens_sum: float) -> float:
-        """:data:`DECODE_STEP_INPUT` of one state without numpy; needs a ``decode_step``."""
-        return self.slack_function()(decode_batch_size, context_tokens_sum)
-
     def slack_function(self) -> Callable[[float, float], float]:
         """``(decode batch, context sum) -> slack`` for one state, its constants bound once (the
         predictor's hot path); the same arithmetic as :meth:`__call__` (``LeaseLabel.step_budget_s``)."""

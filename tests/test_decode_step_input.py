@@ -79,7 +79,7 @@ def test_the_slack_input_is_the_label_budget_less_the_modelled_step(spec: str, w
     for row, z in zip(X, Z, strict=True):
         t = step.time_one(row[0], row[0] * row[1])
         assert z[-1] == pytest.approx(want_s(t), rel=1e-12)  # type: ignore[operator]
-        assert inputs.decode_step_slack_one(row[0], row[0] * row[1]) == z[-1]
+        assert inputs.slack_function()(row[0], row[0] * row[1]) == z[-1]
     assert ModelInputs(label).names == MODEL_FEATURES
 
 
