@@ -257,3 +257,67 @@ def build_result(sim: Simulator) -> SimResult:
         itl_weights=itl_w,
         decisions=decisions,
     )
+
+
+class SloShareBound:
+    """An upper bound on the served SLO share a running simulation will end with, from what has
+    happened by time ``now_s``: ``n_slo_met / (n_requests - n_rejected)`` of ``build_result``'s
+    metrics, exactly that rule. Call it with every event up to ``now_s`` processed and none after it
+    (``Simulator.run_checked``).
+
+    A request is a certain miss once it was shed, once its first token came later than the TTFT target
+    or it is still waiting past that target (its first token can only come later), or once it finished
+    over the TPOT target. Rejections (outside the denominator) happen at arrival in a trace replay, so
+    the eligible count can only fall from ``n - rejected so far``: ``(eligible - misses) / eligible``
+    with today's figures is never below the final share (the same ``int / int`` division, monotone
+    when correctly rounded). A capacity search needs only whether a probe passes, so it can stop a probe
+    as soon as this bound falls under the threshold (``train.compare``). Each call visits only the
+    requests still undecided.
+    """
+
+    def __init__(self, sim: Simulator) -> None:
+        from envs.sim_state import SHED_ERROR_PREFIX
+
+        self._sim = sim
+        self._shed_prefix = SHED_ERROR_PREFIX
+        self._open = list(range(len(sim.reqs)))
+        self.misses = 0
+        self.rejected = 0
+
+    def __call__(self, now_s: float) -> float:
+        sim, reqs, now = self._sim, self._sim.reqs, now_s
+        ttft_slo, tpot_slo = sim.config.slo_ttft_s, sim.config.slo_tpot_s
+        still: list[int] = []
+        for rid in self._open:
+            r = reqs[rid]
+            if r.error:
+                if r.error.startswith(self._shed_prefix):
+                    self.misses += 1
+                else:
+                    self.rejected += 1
+                continue
+            a = r.arrival_s
+            if a != a:  # not arrived yet
+                still.append(rid)
+                continue
+            ft = r.first_token_s
+            if ft != ft:
+                if not now - a <= ttft_slo:
+                    self.misses += 1
+                else:
+                    still.append(rid)
+                continue
+            if not ft - a <= ttft_slo:
+                self.misses += 1
+                continue
+            fin = r.finish_s
+            if fin != fin:
+                still.append(rid)
+                continue
+            itl = (fin - ft) / max(r.output - 1, 1) if r.output > 1 else 0.0
+            if not itl <= tpot_slo:
+                self.misses += 1
+            # else: met, decided
+        self._open = still
+        eligible = len(reqs) - self.rejected
+        return (eligible - self.misses) / eligible if eligible > 0 else 0.0

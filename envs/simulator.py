@@ -316,15 +316,39 @@ class Simulator:
         self.step_until(math.inf, progress)
         return self.result()
 
-    def step_until(self, t_end_s: float, progress: Callable[[int], None] | None = None) -> bool:
-        """Process events up to ``t_end_s``; returns True while work remains."""
+    def run_checked(self, stop: Callable[[float], bool], every_s: float) -> SimResult | None:
+        """``run``, asking ``stop(t)`` at each multiple ``t`` of ``every_s`` simulated seconds that has an
+        event after it (every event up to ``t`` processed, none after it, the clock left where the
+        last event put it): None as soon as ``stop`` answers True, else ``run``'s result, identical to
+        it (the checks change no state)."""
+        if not every_s > 0:
+            raise ValueError(f"run_checked: every_s must be > 0, got {every_s}")
+        check_s = every_s
+        while not self.done:
+            nxt = self.next_event_time_s()
+            if nxt > self.max_time_s:
+                break
+            if nxt > check_s:
+                if stop(check_s):
+                    return None
+                check_s = (math.floor(nxt / every_s) + 1) * every_s
+                continue
+            self.step_until(check_s, advance_clock=False)
+        return self.run()
+
+    def step_until(
+        self, t_end_s: float, progress: Callable[[int], None] | None = None, *, advance_clock: bool = True
+    ) -> bool:
+        """Process events up to ``t_end_s``; returns True while work remains. The clock then reads
+        ``t_end_s`` (at most ``max_time_s``), or with ``advance_clock=False`` the last event's time."""
         events = self._events
         n = len(self.reqs)
         last_reported = self.finished
         while events and (self.finished < n or self.open_ended):
             t = events[0][0]
             if t > t_end_s or t > self.max_time_s:
-                self.now_s = min(t_end_s, self.max_time_s)
+                if advance_clock:
+                    self.now_s = min(t_end_s, self.max_time_s)
                 return True
             t, kind, _, a, b = heapq.heappop(events)
             self.now_s = t
@@ -350,7 +374,7 @@ class Simulator:
                 last_reported = self.finished
         if progress is not None and self.finished > last_reported:
             progress(self.finished - last_reported)
-        if math.isfinite(t_end_s):
+        if math.isfinite(t_end_s) and advance_clock:
             self.now_s = max(self.now_s, min(t_end_s, self.max_time_s))
         return bool(events) and self.finished < n
 

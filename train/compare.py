@@ -42,6 +42,7 @@ import numpy as np
 
 from envs.cluster_config import parse_shape
 from envs.hardware import Precision
+from envs.metrics import SloShareBound
 from envs.request import Trace
 from envs.splits import ALL, SIDES
 from policies.catalog import describe_params, policy_names, policy_spec
@@ -54,6 +55,7 @@ from train.experiment import (
     DEFAULT_TP,
     OPEN_LOOP_ARRIVALS,
     Point,
+    build_simulator,
     default_tp,
     prepare_trace,
     run_point,
@@ -274,7 +276,7 @@ class CapacityJob:
     def name(self) -> str:
         return (
             f"capacity|{self.point.label()}|thr={self.threshold:.6g}|fallback={int(self.relative_fallback)}"
-            f"|res={CAPACITY_RESOLUTION}|v3"
+            f"|res={CAPACITY_RESOLUTION}|v4"
         )
 
 
@@ -332,19 +334,30 @@ def request_work(point: Point) -> tuple[Trace, np.ndarray, np.ndarray]:
     return _work(replace(_trace_point(point), **deployment))
 
 
+def arrival_span_s(point: Point, trace: Trace) -> float:
+    """How long ``point``'s arrivals last in simulated time (closed loop: the expected session-start
+    span plus the longest session's think time); 0 for an empty trace."""
+    if not trace.requests:
+        return 0.0
+    if not trace.closed_loop:
+        return max(r.arrival_s for r in trace.requests) / point.load
+    rate = session_rate(point, trace) or DEFAULT_SESSION_RATE_PER_S.get(point.trace, 0.004)
+    think: dict[int, float] = {}
+    for r in trace.requests:
+        think[r.session_id] = think.get(r.session_id, 0.0) + max(0.0, r.think_time_s)
+    return len(think) / (rate * point.load) + max(think.values())
+
+
 def time_cap_s(point: Point, trace: Trace) -> float:
     """The simulated-time cap of a lending simulation (see ``TIME_CAP_FACTOR``)."""
     if not trace.requests:
         return math.inf
-    if not trace.closed_loop:
-        span = max(r.arrival_s for r in trace.requests) / point.load
-    else:
-        rate = session_rate(point, trace) or DEFAULT_SESSION_RATE_PER_S.get(point.trace, 0.004)
-        think: dict[int, float] = {}
-        for r in trace.requests:
-            think[r.session_id] = think.get(r.session_id, 0.0) + max(0.0, r.think_time_s)
-        span = len(think) / (rate * point.load) + max(think.values())
-    return TIME_CAP_FACTOR * span + TIME_CAP_SLACK_S
+    return TIME_CAP_FACTOR * arrival_span_s(point, trace) + TIME_CAP_SLACK_S
+
+
+SLO_CHECKS_PER_SPAN = 64
+"""A capacity probe judged against a threshold checks its SLO-share bound this many times over its
+arrival span (``arrival_span_s``), and as often after it, to stop once it is sure to fail."""
 
 
 def _predictor(point: Point, artifact_dir: str | None, injected: Any) -> Any:
@@ -372,6 +385,26 @@ def _simulate(point: Point, artifact_dir: str | None, predictor: Any) -> Any:
         point, trace=trace, predictor=_predictor(point, artifact_dir, predictor), max_time_s=cap
     )
     return result, math.isfinite(cap) and result.metrics.n_finished < result.metrics.n_requests
+
+
+def _simulate_unless_below(
+    point: Point, artifact_dir: str | None, predictor: Any, threshold: float
+) -> tuple[Any, float]:
+    """``_simulate``'s result, or None with an upper bound under ``threshold`` on the served SLO share
+    as soon as the share is certain to end below it (``envs.metrics.SloShareBound``)."""
+    trace = trace_for(point)
+    cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
+    sim = build_simulator(
+        point, trace=trace, predictor=_predictor(point, artifact_dir, predictor), max_time_s=cap
+    )
+    bound, seen = SloShareBound(sim), [1.0]
+
+    def below(t: float) -> bool:
+        seen[0] = bound(t)
+        return seen[0] < threshold
+
+    every = max(arrival_span_s(point, trace) / SLO_CHECKS_PER_SPAN, point.slo_ttft_s)
+    return sim.run_checked(below, every), seen[0]
 
 
 def slo_misses(point: Point, requests: Any) -> dict[str, int]:
@@ -465,6 +498,16 @@ def capacity_job(job: CapacityJob) -> dict[str, Any]:
         itl_p99[load] = float(m["itl_p99_s"])
         return served_slo_share(m)
 
+    def share_below(load: float, threshold: float) -> tuple[float, bool]:
+        pt = replace(job.point, load=load)
+        result, upper = _simulate_unless_below(pt, job.artifact_dir, job.predictor, threshold)
+        if result is None:
+            itl_p99[load] = math.nan
+            return upper, True
+        m = result.metrics.to_dict()
+        itl_p99[load] = float(m["itl_p99_s"])
+        return served_slo_share(m), False
+
     out: dict[str, Any] = {"name": job.name(), "point": job.point.to_dict(), "role": job.role}
     try:
         found = capacity_search(
@@ -473,6 +516,7 @@ def capacity_job(job: CapacityJob) -> dict[str, Any]:
             relative_fallback=job.relative_fallback,
             start_load=job.start_load,
             step=job.step,
+            share_below=share_below,
         )
     except Exception as exc:
         out.update(error=f"{type(exc).__name__}: {exc}", usable=False, wall_s=time.perf_counter() - t0)

@@ -263,6 +263,31 @@ def run_point(
     for the policies that need one; ``max_time_s`` caps simulated time (unfinished requests stay so);
     ``params`` replaces the policy's shipped tuned values (``build_scheduler``).
     """
+    trace, config, kwargs = _simulation_args(point, trace, predictor, max_time_s, params)
+    return simulate(trace, config, progress=progress, **kwargs)
+
+
+def build_simulator(
+    point: Point,
+    *,
+    trace: Trace | None = None,
+    predictor: Any = None,
+    max_time_s: float = math.inf,
+    params: Mapping[str, Any] | None = None,
+) -> Simulator:
+    """The simulator ``run_point`` runs, not yet started: for callers that step it themselves
+    (``Simulator.step_until``); its ``run()`` gives ``run_point``'s result."""
+    trace, config, kwargs = _simulation_args(point, trace, predictor, max_time_s, params)
+    return Simulator(trace, config, **kwargs)
+
+
+def _simulation_args(
+    point: Point,
+    trace: Trace | None,
+    predictor: Any,
+    max_time_s: float,
+    params: Mapping[str, Any] | None,
+) -> tuple[Trace, ClusterConfig, dict[str, Any]]:
     trace = trace if trace is not None else prepare_trace(point)
     config = point.cluster()
     cost_model = point.cost_model()
@@ -271,17 +296,18 @@ def run_point(
 
         params = {**tuned_params(point.policy), **dict(point.policy_params)}
     scheduler = build_scheduler(point.policy, config, cost_model, predictor=predictor, params=params)
-    return simulate(
+    return (
         trace,
         config,
-        scheduler=scheduler,
-        cost_model=cost_model,
-        load_factor=point.load,
-        session_rate_per_s=session_rate(point, trace),
-        seed=point.seed,
-        progress=progress,
-        max_time_s=max_time_s,
-        session_rate_curve=rate_curve(point) if trace.closed_loop else None,
+        {
+            "scheduler": scheduler,
+            "cost_model": cost_model,
+            "load_factor": point.load,
+            "session_rate_per_s": session_rate(point, trace),
+            "seed": point.seed,
+            "max_time_s": max_time_s,
+            "session_rate_curve": rate_curve(point) if trace.closed_loop else None,
+        },
     )
 
 
@@ -339,6 +365,7 @@ def simulate_at_phase(point: Point, trace: Trace, scheduler: Any, delay_s: float
 __all__ = [
     "Point",
     "build_scheduler",
+    "build_simulator",
     "cap_think_time",
     "head",
     "phase_neighbourhood",

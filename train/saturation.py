@@ -97,8 +97,14 @@ def capacity_search(
     start_load: float = 1.0,
     step: float = 2.0,
     resolution: float = CAPACITY_RESOLUTION,
+    share_below: Callable[[float, float], tuple[float, bool]] | None = None,
 ) -> dict[str, Any]:
     """Capacity at SLO, with a fallback for clusters that miss the SLO even when idle.
+
+    ``share_below(load, threshold)``, when given, replaces ``share_at`` for the probes judged against
+    a known threshold: it may stop as soon as the share is certain to end below ``threshold`` and
+    return ``(a share below it, True)``, else ``(the share, False)``. Every pass or fail, and so the
+    answer, is the same as with ``share_at``; such probes are listed in ``stopped_early``.
 
     With ``relative_fallback`` (the static cluster's search): if the start load fails, the share at
     ``IDLE_LOAD`` is probed; when even the idle cluster misses ``threshold`` (prompts whose prefill
@@ -107,27 +113,40 @@ def capacity_search(
     the fallback). ``usable`` is False when the idle share is zero: no load can be matched.
 
     Returns ``load``, ``fail_load``, ``bracketed``, ``threshold`` (the one applied), ``relative``,
-    ``idle_share`` (None unless probed), ``usable`` and every ``probes`` (load, share) in order.
+    ``idle_share`` (None unless probed), ``usable``, every ``probes`` (load, share) in order and
+    ``stopped_early``.
     """
     memo: dict[float, float] = {}
     order: list[float] = []
+    stopped: list[float] = []
+    """Probes ``share_below`` stopped early: their recorded share is only known to be under the threshold."""
 
-    def cached(load: float) -> float:
+    def probe(load: float, stop_below: float | None) -> float:
         if load not in memo:
-            memo[load] = share_at(load)
+            if stop_below is None or share_below is None:
+                memo[load] = share_at(load)
+            else:
+                memo[load], early = share_below(load, stop_below)
+                if early:
+                    stopped.append(load)
             order.append(load)
         return memo[load]
 
     applied, idle_share = threshold, None
-    if relative_fallback and cached(min(max(start_load, IDLE_LOAD), LOAD_BOUNDS[1])) < threshold:
-        idle_share = cached(IDLE_LOAD)
+    # the fallback's probes are exact: the idle share sets the threshold every later probe is held to
+    if relative_fallback and probe(min(max(start_load, IDLE_LOAD), LOAD_BOUNDS[1]), None) < threshold:
+        idle_share = probe(IDLE_LOAD, None)
         if idle_share < threshold:
             applied = threshold * idle_share
     usable = idle_share is None or idle_share > 0
     load, fail, bracketed = IDLE_LOAD, None, False
     if usable:
         load, fail, bracketed, _ = find_capacity(
-            cached, threshold=applied, start_load=start_load, step=step, resolution=resolution
+            lambda x: probe(x, applied),
+            threshold=applied,
+            start_load=start_load,
+            step=step,
+            resolution=resolution,
         )
     return {
         "load": load,
@@ -138,6 +157,7 @@ def capacity_search(
         "idle_share": idle_share,
         "usable": usable,
         "probes": [(x, memo[x]) for x in order],
+        "stopped_early": stopped,
     }
 
 
