@@ -42,7 +42,13 @@ def test_compare_defaults_and_help_come_from_gridspec() -> None:
     assert spec_from_args(_parse("compare")) == GridSpec()
     full = spec_from_args(_parse("compare", "--full"))
     assert (full.traces, full.seeds, full.shapes) == (compare.FULL_TRACES, 5, compare.FULL_SHAPES)
+    assert full.policies == compare.FULL_POLICIES and {"dynamo-load", "deflect"} <= set(full.policies)
+    assert (full.subset("mooncake"), full.subset("agent")) == (1000, 20)
     assert spec_from_args(_parse("compare", "--full", "--seeds", "2")).seeds == 2
+    assert spec_from_args(_parse("compare", "--full", "--policies", "static,heuristic")).policies == (
+        "static",
+        "heuristic",
+    )
     tp2 = spec_from_args(_parse("compare", "--tp", "2"))
     assert tp2.point("static", compare.combos(tp2)[0], "2P4D", 1.0, 0).resolved_tp == 2
     sub = build_parser()._subparsers._group_actions[0].choices["compare"]  # type: ignore[union-attr]

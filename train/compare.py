@@ -94,11 +94,17 @@ DEFAULT_SUBSET = {"agent": 60, "mooncake": 1000, "mooncake-synthetic": 1000, "az
 FILE_SUBSET = 1000
 """A trace file (not bundled): first N requests (open loop) or sessions (closed loop)."""
 
+FULL_POLICIES = ("static", "heuristic", "dynamo-load", "deflect", HINDSIGHT_SPLIT)
 FULL_TRACES = ("agent", "mooncake")
 FULL_MODELS = ("gpt-oss-120b", "glm-5")
-FULL_SHAPES = ("2P4D", "4P2D", "1P5D")
-FULL_SUBSET = {"agent": 100, "mooncake": 4000, "mooncake-synthetic": 4000, "azure-code": 4000}
-"""``--full``: the paper-style grid (2 models x 2 traces x 3 splits, both split sides, 5 seeds)."""
+FULL_SHAPES = ("2P4D", "4P2D")
+FULL_SUBSET = {"agent": 20, "mooncake": 1000, "mooncake-synthetic": 1000, "azure-code": 1000}
+"""``--full``: the grid a reviewer reads (docs/compare.md, "--full"): static, the heuristic, the two best
+tuned peers (dynamo-load on 2P4D, deflect on 4P2D) and the best split in hindsight, on 2 traces x 2
+models x the decode-heavy and the prefill-heavy split, both split sides, 5 seeds; sized to finish in
+30 minutes on 2 cores with the process backend. Larger subsets, more shapes or every peer are flags
+away (``--max-requests``, ``--max-sessions``, ``--shapes``, ``--policies``), and ``--backend ray``
+spreads what no longer fits."""
 
 TIME_CAP_FACTOR, TIME_CAP_SLACK_S = 4.0, 3600.0
 """A lending simulation stops at ``FACTOR x`` the trace's arrival span at its load plus ``SLACK``
@@ -1593,7 +1599,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "report.md and plots into a run folder. See docs/compare.md.",
     )
     G = GridSpec
-    add_field(p, G, "policies", "--policies", type=_csv(str), help="policies (catalog names)")
+    add_field(
+        p, G, "policies", "--policies", type=_csv(str), alt=("--full", FULL_POLICIES),
+        help="policies (catalog names)",
+    )  # fmt: skip
     add_field(
         p, G, "traces", "--traces", type=_csv(str), alt=("--full", FULL_TRACES),
         help="bundled trace names or trace files of any supported format (envs/traces.py)",
@@ -1655,8 +1664,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--full",
         action="store_true",
-        help="paper-style grid: agent and mooncake x gpt-oss-120b and glm-5 x 2P4D, 4P2D, 1P5D, both split "
-        "sides, 5 seeds (explicit flags still override)",
+        help="the reviewer's grid (30 minutes on 2 cores): static, heuristic, the best tuned peers "
+        "dynamo-load and deflect, hindsight-split x agent (20 sessions) and mooncake (1,000 requests) x "
+        "gpt-oss-120b and glm-5 x 2P4D, 4P2D, both split sides, 5 seeds (explicit flags still override)",
     )
     add_field(
         p, G, "decode_prefix_cache", "--decode-prefix-cache", action="store_true",
@@ -1700,9 +1710,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> GridSpec:
     full = bool(args.full)
-    alts = {"traces": FULL_TRACES, "models": FULL_MODELS, "shapes": FULL_SHAPES, "seeds": FULL_SEEDS}
+    alts = {
+        "policies": FULL_POLICIES,
+        "traces": FULL_TRACES,
+        "models": FULL_MODELS,
+        "shapes": FULL_SHAPES,
+        "seeds": FULL_SEEDS,
+    }
     return GridSpec(
-        policies=args.policies,
         **{name: resolve(args, GridSpec, name, value, full) for name, value in alts.items()},
         latency_loads=args.latency_loads,
         throughput_loads=args.throughput_loads,
