@@ -222,6 +222,26 @@ def test_summarise_geo_means_per_seed_then_intervals() -> None:
     )
 
 
+def test_capacity_at_the_search_bound_is_left_out_of_the_change_and_counted() -> None:
+    results = _results()
+    # seed 2: the policy passes at the search bound (64, not bracketed) against static's 1.0; seed 3: static
+    # is at the bound; as measurements these two would add +6,300 % and -98 % to the geo-mean
+    at_bound = {**_cap("h", "2P4D", 2, 64.0), "bracketed": False}
+    static_at_bound = {**_cap("static", "2P4D", 3, 64.0), "bracketed": False}
+    results["capacity"] += [
+        _cap("static", "2P4D", 2, 1.0),
+        at_bound,
+        static_at_bound,
+        _cap("h", "2P4D", 3, 1.0),
+    ]
+    cap = report.summarise(results)["h"]["heldout"]["headline"]["capacity_at_slo"]
+    assert cap["mean"] == pytest.approx(0.1) and cap["n"] == 2 and cap["n_censored"] == 2
+    assert report.change_cell(cap).endswith("(2 at the search bound left out)")
+    assert report.unbracketed_by_key(results)[("t", "m", "heldout", "2P4D")] == {"h": 1, "static": 1}
+    # without censored seeds nothing is left out
+    assert report.summarise(_results())["h"]["heldout"]["headline"]["capacity_at_slo"]["n_censored"] == 0
+
+
 def test_targets_read_the_intervals() -> None:
     status = {
         t["target"].split(": ")[0].split("] ")[1]: t["status"]
