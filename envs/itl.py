@@ -112,7 +112,7 @@ class ItlHistogram:
                 start = 0
                 key = first
                 while True:
-                    stop = len(ns) if key == last else int(np.searchsorted(ns, _bucket_end_ns(key), "left"))
+                    stop = len(ns) if key == last else int(ns.searchsorted(_bucket_end_ns(key), "left"))
                     if stop > start:
                         c[key] = c.get(key, 0) + (stop - start) * tokens
                     if key == last:
@@ -143,7 +143,7 @@ class ItlHistogram:
             edges.append(edge)
             key = bucket_of(edge)
             keys.append(key)
-        stops = np.searchsorted(ns, edges, "left").tolist()
+        stops = ns.searchsorted(edges, "left").tolist()
         stops.append(len(ns))
         c, start = self._counts, 0
         for key, stop in zip(keys, stops, strict=True):

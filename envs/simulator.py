@@ -850,7 +850,7 @@ class Simulator:
         prefill iterations) or is another worker's decode event."""
         side: Literal["left", "right"] = "right" if self._event_kind > _EV_DECODE else "left"
         if isinstance(ends, np.ndarray):
-            return int(np.searchsorted(ends, self.now_s, side=side))
+            return int(ends.searchsorted(self.now_s, side=side))
         return (bisect.bisect_right if side == "right" else bisect.bisect_left)(ends, self.now_s)
 
     def _cut_jump(self, w: DecodeWorker) -> None:
@@ -925,7 +925,7 @@ class Simulator:
             if not w.iter_ascending and not bool((arr[1:] >= arr[:-1]).all()):
                 return False
             ns = np.rint(arr * 1e9).astype(np.int64)
-            over_from = int(np.searchsorted(arr, self.config.slo_tpot_s, "right"))
+            over_from = int(arr.searchsorted(self.config.slo_tpot_s, "right"))
             if start == 0 and upto == len(arr):  # the whole jump at once
                 self._add_jump_piece(w, arr, ns, int(ns.sum()), over_from, n)
                 return True
@@ -982,7 +982,7 @@ class Simulator:
             )
             if n:  # a jump: its iteration times never decrease
                 w.itl.add_many(arr, n, ascending=True, ns=ns_arr)
-                self.counters.itl_slo_miss_tokens += (len(arr) - int(np.searchsorted(arr, slo, "right"))) * n
+                self.counters.itl_slo_miss_tokens += (len(arr) - int(arr.searchsorted(slo, "right"))) * n
         w.step_count += len(times)
         w.decode_tokens_total += n * len(times)
         w.iterations += len(times)
