@@ -258,6 +258,31 @@ def test_a_corrupt_interference_model_fails_before_anything_is_written(
     assert not out.exists()
 
 
+def test_a_bundle_parameter_value_the_policy_refuses_fails_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from policies.bundle import write_policy_bundle
+    from policies.catalog import tuned_params
+
+    bad = {**tuned_params("heuristic"), "node.itl_budget_share": 1.6}  # at most 1 (policies.slo)
+    refused = tmp_path / "refused"
+    assert main(["bundle", "--policy", "heuristic", "--out", str(refused), "--params", json.dumps(bad)]) == 2
+    assert "--params" in capsys.readouterr().err and not refused.exists()
+    # written past the CLI (by hand or an older version): compare builds its scheduler before anything
+    from interference_model.artifact import DATA_DIR
+
+    folder = write_policy_bundle(
+        tmp_path / "hb", name="hb", policy="heuristic", params=bad,
+        interference_model=DATA_DIR / "h200_gpt-oss-120b_tp1",
+    ).folder  # fmt: skip
+    out = tmp_path / "never"
+    argv = ["compare", "--policy-bundle", str(folder), "--out", str(out), "--no-wandb", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "policy bundle 'hb'" in err and "share" in err
+    assert not out.exists()
+
+
 # ---- per-request export --------------------------------------------------------------------------------
 def test_simulate_requests_out_has_one_row_per_request(tmp_path: Path) -> None:
     from train.requests_out import COLUMNS

@@ -444,6 +444,21 @@ def _run_bundle(args: argparse.Namespace) -> int:
 
     # laid over the shipped tuned values, so the bundle pins every value it runs with
     params = None if given is None else {**tuned_params(args.policy), **given}
+    if params is not None:  # build the scheduler once: a value the policy refuses fails before writing
+        from train.experiment import Point, point_scheduler
+
+        tp = args.tp if args.tp is not None else default_tp(args.model)
+        point = Point(policy=args.policy, gpu=args.gpu, model=args.model, tp=tp)
+        predictor = None
+        if spec.needs_predictor and im is not None:
+            from interference_model.artifact import load_predictor
+
+            predictor = load_predictor(im, gpu=args.gpu, model=args.model, tp=tp)
+        try:
+            spec.split_params(dict(params))  # unknown names are named by the catalog first
+            point_scheduler(point, predictor=predictor, params=params)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--params: {exc}") from None
     bundle = write_policy_bundle(
         args.out,
         name=args.name or Path(args.out).name,

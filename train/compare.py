@@ -57,6 +57,7 @@ from train.experiment import (
     Point,
     build_simulator,
     default_tp,
+    point_scheduler,
     prepare_trace,
     run_point,
     session_rate,
@@ -667,9 +668,10 @@ def add_bundles(
     return new, artifacts, info
 
 
-def validate_artifacts(spec: GridSpec, artifacts: dict[str, str]) -> None:
+def validate_artifacts(spec: GridSpec, artifacts: dict[str, str], predictor: Any = None) -> None:
     """Load every artifact the grid will use (interference model per model, the tuned values, RL
-    weights) so a corrupt one fails before any simulation starts, naming its file."""
+    weights) and build every policy bundle's scheduler (``predictor``: an injected one, as the grid
+    gets), so a corrupt artifact or a bad parameter value fails before any simulation starts."""
     from policies.catalog import TUNED_FILE, load_tuned
 
     load_tuned(TUNED_FILE)
@@ -680,6 +682,18 @@ def validate_artifacts(spec: GridSpec, artifacts: dict[str, str]) -> None:
 
     if any(runs_rl_weights(policy_spec(p)) for p in spec.simulated_policies()):
         load_artifact(DEFAULT_ARTIFACT)
+    # a bundle's parameter values: its scheduler is built once per model, so a bad value fails here
+    bundled = dict(spec.policy_params)
+    first = combos(spec)[0]
+    for policy in (p for p in spec.simulated_policies() if p in bundled):
+        for model in spec.models:
+            point = spec.point(policy, replace(first, model=model), spec.shapes[0], 1.0, spec.seed)
+            try:
+                point_scheduler(
+                    point, predictor=_predictor(point, artifact_of(artifacts, policy, model), predictor)
+                )
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"policy bundle {policy!r} on {model}: {exc}") from None
 
 
 def same_gpu_splits(shape: str) -> list[str]:
@@ -1010,7 +1024,7 @@ def run_compare(
         for m in spec.models
     ):
         artifacts.update({m: resolve_artifact(spec, m) for m in spec.models})
-    validate_artifacts(spec, artifacts)
+    validate_artifacts(spec, artifacts, predictor)
     if requests_out is not None:
         from train.requests_out import check_requests_out
 

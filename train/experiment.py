@@ -248,6 +248,28 @@ def build_scheduler(
     return make_scheduler(policy, ctx, params)
 
 
+def point_scheduler(
+    point: Point,
+    *,
+    predictor: Any = None,
+    params: Mapping[str, Any] | None = None,
+    config: ClusterConfig | None = None,
+    cost_model: CostModel | None = None,
+) -> Any:
+    """The scheduler ``run_point`` runs ``point`` with: ``params``, else the point's own
+    ``policy_params`` over the policy's tuned values, else the tuned values. Building it checks every
+    parameter value (a policy refuses a bad one with a ``ValueError`` naming it), so callers build it
+    once before a grid runs or a bundle is written (``train.compare.validate_artifacts``,
+    ``crossflow bundle``)."""
+    if params is None and point.policy_params:
+        from policies.catalog import tuned_params
+
+        params = {**tuned_params(point.policy), **dict(point.policy_params)}
+    config = config if config is not None else point.cluster()
+    cost_model = cost_model if cost_model is not None else point.cost_model()
+    return build_scheduler(point.policy, config, cost_model, predictor=predictor, params=params)
+
+
 def run_point(
     point: Point,
     *,
@@ -291,11 +313,9 @@ def _simulation_args(
     trace = trace if trace is not None else prepare_trace(point)
     config = point.cluster()
     cost_model = point.cost_model()
-    if params is None and point.policy_params:
-        from policies.catalog import tuned_params
-
-        params = {**tuned_params(point.policy), **dict(point.policy_params)}
-    scheduler = build_scheduler(point.policy, config, cost_model, predictor=predictor, params=params)
+    scheduler = point_scheduler(
+        point, predictor=predictor, params=params, config=config, cost_model=cost_model
+    )
     return (
         trace,
         config,
@@ -369,6 +389,7 @@ __all__ = [
     "cap_think_time",
     "head",
     "phase_neighbourhood",
+    "point_scheduler",
     "prepare_trace",
     "run_point",
     "sample_sessions",
