@@ -283,6 +283,8 @@ class SloShareBound:
         self._open = list(range(len(sim.reqs)))
         self.misses = 0
         self.rejected = 0
+        self.last = 1.0
+        """The bound the last call returned."""
 
     def __call__(self, now_s: float) -> float:
         sim, reqs, now = self._sim, self._sim.reqs, now_s
@@ -320,4 +322,5 @@ class SloShareBound:
             # else: met, decided
         self._open = still
         eligible = len(reqs) - self.rejected
-        return (eligible - self.misses) / eligible if eligible > 0 else 0.0
+        self.last = (eligible - self.misses) / eligible if eligible > 0 else 0.0
+        return self.last

@@ -42,7 +42,7 @@ import numpy as np
 
 from envs.cluster_config import parse_shape
 from envs.hardware import Precision
-from envs.metrics import SloShareBound
+from envs.metrics import SimResult, SloShareBound
 from envs.request import Trace
 from envs.splits import ALL, SIDES
 from policies.catalog import describe_params, policy_names, policy_spec
@@ -362,6 +362,11 @@ def time_cap_s(point: Point, trace: Trace) -> float:
     return TIME_CAP_FACTOR * arrival_span_s(point, trace) + TIME_CAP_SLACK_S
 
 
+def _cap_for(point: Point, trace: Trace) -> float:
+    """``point``'s simulated-time cap: ``time_cap_s`` for a lending policy, none for static."""
+    return time_cap_s(point, trace) if point.policy != "static" else math.inf
+
+
 SLO_CHECKS_PER_SPAN = 64
 """A capacity probe judged against a threshold checks its SLO-share bound this many times over its
 arrival span (``arrival_span_s``), and as often after it, to stop once it is sure to fail."""
@@ -387,31 +392,37 @@ def _cached_predictor(artifact_dir: str, gpu: str, model: str, tp: int) -> Any:
 
 def _simulate(point: Point, artifact_dir: str | None, predictor: Any) -> Any:
     trace = trace_for(point)
-    cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
+    cap = _cap_for(point, trace)
     result = run_point(
         point, trace=trace, predictor=_predictor(point, artifact_dir, predictor), max_time_s=cap
     )
     return result, math.isfinite(cap) and result.metrics.n_finished < result.metrics.n_requests
 
 
-def _simulate_unless_below(
-    point: Point, artifact_dir: str | None, predictor: Any, threshold: float
-) -> tuple[Any, float]:
-    """``_simulate``'s result, or None with an upper bound under ``threshold`` on the served SLO share
-    as soon as the share is certain to end below it (``envs.metrics.SloShareBound``)."""
+def _probe(
+    point: Point, artifact_dir: str | None, predictor: Any, threshold: float | None
+) -> tuple[float, float, bool]:
+    """A capacity probe: ``(served SLO share, cluster ITL p99, stopped early)``. With a ``threshold``
+    the simulation stops as soon as the share is certain to end below it (``envs.metrics.SloShareBound``)
+    and the share is then that bound (under the threshold), the ITL p99 NaN."""
     trace = trace_for(point)
-    cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
     sim = build_simulator(
-        point, trace=trace, predictor=_predictor(point, artifact_dir, predictor), max_time_s=cap
+        point,
+        trace=trace,
+        predictor=_predictor(point, artifact_dir, predictor),
+        max_time_s=_cap_for(point, trace),
     )
-    bound, seen = SloShareBound(sim), [1.0]
-
-    def below(t: float) -> bool:
-        seen[0] = bound(t)
-        return seen[0] < threshold
-
-    every = max(arrival_span_s(point, trace) / SLO_CHECKS_PER_SPAN, point.slo_ttft_s)
-    return sim.run_checked(below, every), seen[0]
+    result: SimResult | None
+    if threshold is None:
+        result = sim.run()
+    else:
+        bound = SloShareBound(sim)
+        every = max(arrival_span_s(point, trace) / SLO_CHECKS_PER_SPAN, point.slo_ttft_s)
+        result = sim.run_checked(lambda t: bound(t) < threshold, every)
+        if result is None:
+            return bound.last, math.nan, True
+    m = result.metrics.to_dict()
+    return served_slo_share(m), float(m["itl_p99_s"]), False
 
 
 def slo_misses(point: Point, requests: Any) -> dict[str, int]:
@@ -450,7 +461,7 @@ def simulate_task(task: SimTask) -> dict[str, Any]:
     from train.cli import simulate_command
 
     trace = trace_for(point)
-    cap = time_cap_s(point, trace) if point.policy != "static" else math.inf
+    cap = _cap_for(point, trace)
     base = policy_spec(point.policy).bundle_of  # a bundle's alias reruns as the policy it bundles
     out["rerun"] = simulate_command(
         point if base is None else replace(point, policy=base),
@@ -499,26 +510,16 @@ def capacity_job(job: CapacityJob) -> dict[str, Any]:
     t0 = time.perf_counter()
     itl_p99: dict[float, float] = {}
 
-    def share_at(load: float) -> float:
-        result, _ = _simulate(replace(job.point, load=load), job.artifact_dir, job.predictor)
-        m = result.metrics.to_dict()
-        itl_p99[load] = float(m["itl_p99_s"])
-        return served_slo_share(m)
-
-    def share_below(load: float, threshold: float) -> tuple[float, bool]:
-        pt = replace(job.point, load=load)
-        result, upper = _simulate_unless_below(pt, job.artifact_dir, job.predictor, threshold)
-        if result is None:
-            itl_p99[load] = math.nan
-            return upper, True
-        m = result.metrics.to_dict()
-        itl_p99[load] = float(m["itl_p99_s"])
-        return served_slo_share(m), False
+    def share_below(load: float, threshold: float | None) -> tuple[float, bool]:
+        share, itl_p99[load], early = _probe(
+            replace(job.point, load=load), job.artifact_dir, job.predictor, threshold
+        )
+        return share, early
 
     out: dict[str, Any] = {"name": job.name(), "point": job.point.to_dict(), "role": job.role}
     try:
         found = capacity_search(
-            share_at,
+            lambda load: share_below(load, None)[0],
             threshold=job.threshold,
             relative_fallback=job.relative_fallback,
             start_load=job.start_load,
