@@ -204,6 +204,37 @@ def _bound_cells(pts: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]], polic
     return out
 
 
+def capacity_change(
+    caps: Mapping[tuple[Any, ...], Mapping[str, Mapping[int, float]]],
+    keys: Sequence[tuple[Any, ...]],
+    policy: str,
+    reference: str = "static",
+    censored: Mapping[tuple[Any, ...], Mapping[str, set[int]]] | None = None,
+) -> dict[str, Any]:
+    """Change of ``policy``'s capacity at SLO against ``reference``'s over the points ``keys``, paired
+    by seed (per seed a geometric mean over the points, then the interval over seeds), with its verdict.
+
+    A seed whose search (either policy's) hit a load bound (``censored``, ``unbracketed_seeds``: its
+    load bounds the capacity, it does not measure it) is left out at that point and counted in
+    ``n_censored``: a ratio against the search bound would be the bound's, not the policy's."""
+    censored = censored or {}
+    triples, n_censored = [], 0
+    for k in keys:
+        mine, ref = caps[k].get(policy, {}), caps[k].get(reference)
+        if ref is None:
+            continue
+        at_bound = censored.get(k, {})
+        for s in mine:
+            if s not in ref:
+                continue
+            if s in at_bound.get(policy, ()) or s in at_bound.get(reference, ()):
+                n_censored += 1
+                continue
+            triples.append((s, mine[s], ref[s]))
+    entry = _entry(stats.aggregate_change(triples), higher_is_better=True)
+    return {**entry, "n_censored": n_censored}
+
+
 def _capacity_cells(
     caps: Mapping[tuple[Any, ...], Mapping[str, Mapping[int, float]]],
     limits: Mapping[tuple[Any, ...], Mapping[int, float]],
@@ -212,29 +243,12 @@ def _capacity_cells(
     policy: str,
     censored: Mapping[tuple[Any, ...], Mapping[str, set[int]]] | None = None,
 ) -> dict[str, Any]:
-    """``capacity_at_slo`` (change vs static) and ``capacity_bound_share`` over the group's shapes.
-
-    A seed whose search (the policy's or static's) hit a load bound (``censored``: its load bounds the
-    capacity, it does not measure it) is left out of the change at that point, and counted in the
-    entry's ``n_censored``: a ratio against the search bound would be the bound's, not the policy's."""
+    """``capacity_at_slo`` (change vs static, ``capacity_change``) and ``capacity_bound_share`` over
+    the group's shapes."""
     keys = [k for k, pol in caps.items() if k[2] == side and group_of(k[3]) == group and policy in pol]
     out: dict[str, Any] = {}
     if policy != "static":
-        censored = censored or {}
-        triples, n_censored = [], 0
-        for k in keys:
-            if "static" not in caps[k]:
-                continue
-            at_bound = censored.get(k, {})
-            for s in caps[k][policy]:
-                if s not in caps[k]["static"]:
-                    continue
-                if s in at_bound.get(policy, ()) or s in at_bound.get("static", ()):
-                    n_censored += 1
-                    continue
-                triples.append((s, caps[k][policy][s], caps[k]["static"][s]))
-        entry = _entry(stats.aggregate_change(triples), higher_is_better=True)
-        out["capacity_at_slo"] = {**entry, "n_censored": n_censored}
+        out["capacity_at_slo"] = capacity_change(caps, keys, policy, "static", censored)
     share: dict[int, list[float]] = {}
     for k in keys:
         for s, cap in caps[k][policy].items():
