@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -136,3 +137,19 @@ def session_trace(
             )
             prev = rid
     return Trace(name="sessions", requests=reqs, closed_loop=True)
+
+
+def assert_pool_matches_agree(matches: Any, walked: dict[int, int]) -> None:
+    """``match_in_pool``'s answer agrees with each worker's own ``match_tokens`` (``walked``): a uniform
+    answer is every worker's match; otherwise it names exactly the workers holding the longest match
+    (none when nothing matches), each with its own match."""
+    from policies.routing import UniformMatches
+
+    best = max(walked.values())
+    if isinstance(matches, UniformMatches):
+        assert all(v == matches.tokens for v in walked.values())
+        return
+    assert {i for i, v in walked.items() if v == best and v > 0} == {
+        i for i, v in matches.items() if v == best
+    }
+    assert all(walked[i] == v for i, v in matches.items())

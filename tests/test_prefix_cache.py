@@ -11,7 +11,7 @@ import pytest
 
 from envs.prefix_cache import PrefixCache, PrefixIndex, match_in_pool, pool_caches
 from envs.request import Request
-from policies.routing import UniformMatches
+from tests.fakes import assert_pool_matches_agree
 
 
 class WalkingCache:
@@ -112,15 +112,7 @@ def test_indexed_cache_matches_a_walking_lru(seed: int) -> None:
             caches[w].capacity_pages = refs[w].capacity_pages = int(rng.integers(0, 3 * cap + 1))
         else:
             walked = {i: r.match_tokens(rid) for i, r in enumerate(refs)}
-            matches = match_in_pool(caches, rid)
-            best = max(walked.values())
-            if isinstance(matches, UniformMatches):
-                assert all(v == matches.tokens for v in walked.values())
-            else:
-                assert {i for i, v in walked.items() if v == best and v > 0} == {
-                    i for i, v in matches.items() if v == best
-                }
-                assert all(walked[i] == v for i, v in matches.items())
+            assert_pool_matches_agree(match_in_pool(caches, rid), walked)
         for cache, ref in zip(caches, refs, strict=True):
             assert cache.used_pages == ref.used_pages
             assert {o: cache.match_tokens(o) for o in ref.end} == {o: ref.match_tokens(o) for o in ref.end}

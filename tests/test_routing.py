@@ -205,7 +205,7 @@ def test_pool_matches_agree_with_walking_every_worker() -> None:
     """match_in_pool (holders of the deepest run, or a uniform answer) equals each cache's own match."""
     from envs.prefix_cache import PrefixIndex, match_in_pool, pool_caches
     from envs.request import Request
-    from policies.routing import UniformMatches
+    from tests.fakes import assert_pool_matches_agree
 
     rng = np.random.default_rng(9)
     reqs = [Request(0, 0, 0, 0.0, 2048, 1)]  # a common root every worker will hold
@@ -218,16 +218,8 @@ def test_pool_matches_agree_with_walking_every_worker() -> None:
     for c in caches:
         c.insert(0)
     for rid in range(1, 400):
-        matches = match_in_pool(caches, rid)
         walked = {w: c.match_tokens(rid) for w, c in enumerate(caches)}
-        best = max(walked.values())
-        if isinstance(matches, UniformMatches):
-            assert all(v == matches.tokens for v in walked.values())
-        else:
-            assert {w for w, v in walked.items() if v == best and v > 0} == {
-                w for w, v in matches.items() if v == best
-            }
-            assert all(walked[w] == v for w, v in matches.items())
+        assert_pool_matches_agree(match_in_pool(caches, rid), walked)
         caches[int(rng.integers(0, 6))].insert(rid)
 
 
