@@ -86,10 +86,10 @@ class PolicyBundle:
             params[ARTIFACT_PARAM] = str(self.rl_policy)
         return params
 
-    def run_params(self) -> dict[str, Any]:
-        """What the bundle runs with: ``scheduler_params`` laid over its policy's shipped tuned values
-        (``simulate``, ``compare``, ``serve`` and ``router`` alike)."""
-        return {**tuned_params(self.policy), **self.scheduler_params()}
+    def run_params(self, model: str | None = None) -> dict[str, Any]:
+        """What the bundle runs with on ``model``: ``scheduler_params`` laid over its policy's shipped
+        tuned values for that model (``simulate``, ``compare``, ``serve`` and ``router`` alike)."""
+        return {**tuned_params(self.policy, model), **self.scheduler_params()}
 
     def point_params(self) -> tuple[tuple[str, Any], ...]:
         """``scheduler_params`` as a sorted tuple (``train.experiment.Point.policy_params``)."""
@@ -103,10 +103,10 @@ class PolicyBundle:
 
         return load_predictor(self.interference_model, gpu=gpu, model=model, tp=tp)
 
-    def make_scheduler(self, ctx: Any) -> Any:
+    def make_scheduler(self, ctx: Any, model: str | None = None) -> Any:
         """The ``ClusterScheduler`` of this bundle on ``ctx`` (a ``PolicyContext`` whose predictor is the
-        bundle's interference model when the policy needs one)."""
-        return make_scheduler(self.policy, ctx, self.scheduler_params())
+        bundle's interference model when the policy needs one) serving ``model``: ``run_params``."""
+        return make_scheduler(self.policy, ctx, self.run_params(model))
 
 
 def _fail(path: Path, problem: str) -> ValueError:
@@ -171,20 +171,22 @@ def write_policy_bundle(
     name: str,
     policy: str,
     params: Mapping[str, Any] | None = None,
+    model: str | None = None,
     interference_model: str | os.PathLike[str] | None = None,
     rl_policy: str | os.PathLike[str] | None = None,
     version: int = 1,
     command: str = "",
 ) -> PolicyBundle:
     """Make a bundle folder at ``out`` (which must not exist or be empty); ``params`` None takes the
-    shipped tuned values. Written into a temp folder and renamed, so a failure leaves nothing."""
+    shipped tuned values for ``model``. Written into a temp folder and renamed, so a failure leaves
+    nothing."""
     spec = policy_spec(policy)
     if spec.passive or spec.grid_level:
         raise ValueError(f"policy {policy!r} has no scheduler to bundle")
     dest = Path(out)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"{dest}: exists and is not an empty folder")
-    chosen = dict(tuned_params(policy) if params is None else params)
+    chosen = dict(tuned_params(policy, model) if params is None else params)
     spec.split_params(chosen)
     if spec.needs_predictor and interference_model is None:
         raise ValueError(f"policy {policy!r} needs an interference model (interference_model=DIR)")

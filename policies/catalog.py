@@ -3,9 +3,11 @@
 A ``PolicySpec`` names a registered node policy (lease sizing, ``policies.node_policies``) and a
 registered path policy (per-request path, ``policies.path``), the grid ``crossflow tune`` searches, and
 where its rule comes from. ``make_scheduler(name, ctx)`` builds the ``ClusterScheduler`` the simulator
-and the router run, with the tuned values shipped in ``policies/data/tuned_policies.json`` unless
-given others. What a policy needs (a predictor) is declared by its node and path registrations; nobody
-keys on its name.
+and the router run, with the tuned values shipped in ``policies/data/`` unless given others: a model
+``crossflow tune --model M`` was run for has its own file (``tuned_policies-M.json``), and every other
+model, or a policy that file does not hold, takes ``tuned_policies.json`` (tuned on
+``DEFAULT_TUNED_MODEL``). What a policy needs (a predictor) is declared by its node and path
+registrations; nobody keys on its name.
 
 Parameters are flat, dotted by the part they configure: ``node.ttl_s`` goes to the node policy's
 factory, ``path.local_chunk_tokens`` to the path policy's, ``scheduler.itl_guard`` to
@@ -36,8 +38,31 @@ SCHEDULER_PARAMS = ("itl_guard",)
 """``ClusterScheduler`` keyword arguments a policy may set (the control interval is the cluster's)."""
 
 TUNED_FORMAT = "crossflow-tuned-policies/1"
-TUNED_FILE = Path(__file__).resolve().parent / "data" / "tuned_policies.json"
-"""Tuned values shipped with the project (written by ``crossflow tune``, with its command line)."""
+TUNED_DIR = Path(__file__).resolve().parent / "data"
+TUNED_FILE = TUNED_DIR / "tuned_policies.json"
+"""Tuned values shipped with the project (written by ``crossflow tune``, with its command line); the
+values of every model without a file of its own (``model_tuned_file``)."""
+DEFAULT_TUNED_MODEL = "gpt-oss-120b"
+"""The model ``TUNED_FILE`` was tuned on (its ``spec.model``)."""
+
+
+def model_tuned_file(model: str, folder: str | Path | None = None) -> Path:
+    """Where the tuned values of ``model`` live in ``folder`` (default: the shipped ``TUNED_DIR``):
+    ``tuned_policies.json`` for ``DEFAULT_TUNED_MODEL``, ``tuned_policies-<model>.json`` for any other
+    model (whether or not it exists yet)."""
+    root = Path(folder) if folder is not None else TUNED_DIR
+    key = model.strip().lower()
+    if key == DEFAULT_TUNED_MODEL:
+        return root / TUNED_FILE.name
+    if not _file_name_model(key):
+        raise ValueError(f"model {model!r}: not a catalog model name a tuned file can carry")
+    return root / f"tuned_policies-{key}.json"
+
+
+def _file_name_model(key: str) -> bool:
+    """Whether ``key`` (a lower-cased model name) can name a tuned file: a catalog name, not a Hugging
+    Face id or a config path (those run the default model's values)."""
+    return bool(key) and "/" not in key and "\\" not in key and not key.startswith(".")
 
 
 @dataclass(frozen=True)
@@ -131,11 +156,12 @@ def make_scheduler(
     params: Mapping[str, Any] | None = None,
     *,
     ledger: LeaseLedger | None = None,
+    model: str | None = None,
 ) -> ClusterScheduler | None:
     """The scheduler that runs policy ``name`` (``None`` for a passive one such as ``static``).
 
-    ``params``: dotted parameters; ``None`` takes the shipped tuned values (``tuned_params``), ``{}``
-    every factory's defaults.
+    ``params``: dotted parameters; ``None`` takes the shipped tuned values for ``model``
+    (``tuned_params``), ``{}`` every factory's defaults.
     """
     spec = policy_spec(name)
     if spec.grid_level:
@@ -146,7 +172,7 @@ def make_scheduler(
     if spec.passive:
         return None
     node_params, path_params, scheduler_params = spec.split_params(
-        tuned_params(name) if params is None else params
+        tuned_params(name, model) if params is None else params
     )
     node = make_node_policy(spec.node, ctx, **node_params)
     path = make_path_policy(spec.path, ctx, **path_params)
@@ -186,26 +212,51 @@ def load_tuned(path: str | Path = TUNED_FILE) -> dict[str, Any]:
     return data
 
 
-@functools.lru_cache(maxsize=1)
-def _shipped_tuned() -> dict[str, Any]:
-    return load_tuned(TUNED_FILE)
+@functools.lru_cache(maxsize=8)
+def _shipped_tuned(model: str) -> dict[str, Any]:
+    """The shipped tuned file of ``model`` (``{}`` when it has none), checked to be tuned on it."""
+    path = model_tuned_file(model)
+    data = load_tuned(path)
+    tuned_on = data.get("spec", {}).get("model") if data else model
+    if str(tuned_on).lower() != model:
+        raise ValueError(f"{path}: field 'spec.model' is {tuned_on!r}, the file holds {model!r}'s values")
+    return data
 
 
-def tuned_params(name: str) -> dict[str, Any]:
-    """The shipped tuned parameters of policy ``name`` (``{}``: not tuned, factory defaults), with the
-    non-path ones of its ``tuned_from`` policy underneath."""
-    entry = _shipped_tuned().get("policies", {}).get(name)
+def tuned_entry(name: str, model: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """Policy ``name``'s shipped tuned entry for ``model`` (its catalog name, any case) and the model it
+    was tuned on: the model's own file when it holds the policy, else ``TUNED_FILE`` (``({}, None)``:
+    not tuned)."""
+    keys = [m.strip().lower() for m in (model, DEFAULT_TUNED_MODEL) if m]
+    for source in dict.fromkeys(k for k in keys if _file_name_model(k)):
+        entry = _shipped_tuned(source).get("policies", {}).get(name)
+        if entry:
+            return entry, source
+    return {}, None
+
+
+def tuned_params(name: str, model: str | None = None) -> dict[str, Any]:
+    """The shipped tuned parameters of policy ``name`` for ``model`` (``tuned_entry``; ``{}``: not
+    tuned, factory defaults), with the non-path ones of its ``tuned_from`` policy underneath."""
+    entry, _ = tuned_entry(name, model)
     own = dict(entry["params"]) if entry else {}
     source = _CATALOG[name].tuned_from if name in _CATALOG else None
     if source is None:
         return own
-    inherited = {k: v for k, v in tuned_params(source).items() if not k.startswith("path.")}
+    inherited = {k: v for k, v in tuned_params(source, model).items() if not k.startswith("path.")}
     return {**inherited, **own}
 
 
-def describe_params(names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """The parameters each of ``names`` runs with by default (shipped tuned values), for run records."""
-    return {n: tuned_params(n) for n in names}
+def describe_params(names: Sequence[str], models: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """The parameters each of ``names`` runs with by default on each of ``models`` (shipped tuned
+    values, and the model they were tuned on), for run records."""
+    return {
+        n: {
+            m: {"params": tuned_params(n, m), "tuned_on": tuned_entry(n, m)[1]}
+            for m in (models or (DEFAULT_TUNED_MODEL,))
+        }
+        for n in names
+    }
 
 
 # ---- the house's own policies (peers register theirs in ``policies/peers/``) -------------------------
@@ -251,12 +302,15 @@ register_policy(
 
 __all__ = [
     "CROSSFLOW_SOURCE",
+    "DEFAULT_TUNED_MODEL",
     "PolicySpec",
     "describe_params",
     "load_tuned",
     "make_scheduler",
+    "model_tuned_file",
     "policy_names",
     "policy_spec",
     "register_policy",
+    "tuned_entry",
     "tuned_params",
 ]

@@ -442,8 +442,8 @@ def _run_bundle(args: argparse.Namespace) -> int:
         raise ValueError(f"--params: a JSON object of dotted parameters, got {type(given).__name__}")
     from policies.catalog import tuned_params
 
-    # laid over the shipped tuned values, so the bundle pins every value it runs with
-    params = None if given is None else {**tuned_params(args.policy), **given}
+    # laid over the shipped tuned values for --model, so the bundle pins every value it runs with
+    params = None if given is None else {**tuned_params(args.policy, args.model), **given}
     if params is not None:  # build the scheduler once: a value the policy refuses fails before writing
         from train.experiment import Point, point_scheduler
 
@@ -464,6 +464,7 @@ def _run_bundle(args: argparse.Namespace) -> int:
         name=args.name or Path(args.out).name,
         policy=args.policy,
         params=params,
+        model=args.model,
         interference_model=im,
         rl_policy=rl,
         version=args.version,

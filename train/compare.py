@@ -158,8 +158,9 @@ class GridSpec:
     decode_prefix_cache: bool = False
     """Decode workers keep a radix prefix cache, for every policy (``Point.decode_prefix_cache``)."""
     policy_params: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
-    """Per policy name, dotted parameters over its tuned values (``Point.policy_params``); set for the
-    policies of ``--policy-bundle`` (``add_bundles``)."""
+    """Per policy name, dotted parameters over its tuned values; set for the policies of
+    ``--policy-bundle`` (``add_bundles``: a bundle's own values, laid over its policy's tuned values for
+    each model by ``pinned_params``)."""
 
     def __post_init__(self) -> None:
         if self.max_workers < 2:
@@ -225,9 +226,21 @@ class GridSpec:
             open_loop_arrivals=self.open_loop_arrivals,
             slo_ttft_s=self.slo_ttft_s,
             slo_tpot_s=self.slo_tpot_s,
-            policy_params=dict(self.policy_params).get(policy, ()),
+            policy_params=self.pinned_params(policy, combo.model),
             **self.point_options(),
         )
+
+    def pinned_params(self, policy: str, model: str) -> tuple[tuple[str, Any], ...]:
+        """``Point.policy_params`` of ``policy`` on ``model``: a bundle's values over its policy's
+        shipped tuned values for that model (``tuned_params``), so the point records every value it
+        runs with; ``()`` for a policy with no values of its own here (its tuned values apply)."""
+        given = dict(self.policy_params).get(policy)
+        if given is None:
+            return ()
+        from policies.catalog import tuned_params
+
+        base = policy_spec(policy).bundle_of or policy
+        return tuple(sorted({**tuned_params(base, model), **dict(given)}.items()))
 
 
 @dataclass(frozen=True)
@@ -657,7 +670,7 @@ def add_bundles(
         register_policy(alias, replace=True)
         if bundle.name not in policies:
             policies.append(bundle.name)
-        params[bundle.name] = tuple(sorted(bundle.run_params().items()))
+        params[bundle.name] = bundle.point_params()
         info[bundle.name] = {
             "ref": str(ref), "folder": str(bundle.folder), "version": bundle.version,
             "policy": bundle.policy, "digest": bundle.digest,
@@ -673,9 +686,11 @@ def validate_artifacts(spec: GridSpec, artifacts: dict[str, str], predictor: Any
     """Load every artifact the grid will use (interference model per model, the tuned values, RL
     weights) and build every policy bundle's scheduler (``predictor``: an injected one, as the grid
     gets), so a corrupt artifact or a bad parameter value fails before any simulation starts."""
-    from policies.catalog import TUNED_FILE, load_tuned
+    from policies.catalog import tuned_params
 
-    load_tuned(TUNED_FILE)
+    for name in spec.simulated_policies():  # each model's tuned file, read and checked
+        for model in spec.models:
+            tuned_params(policy_spec(name).bundle_of or name, model)
     for key, folder in artifacts.items():
         model = key.rpartition("|")[2]
         _cached_predictor(folder, spec.gpu, model, spec.resolved_tp(model))
@@ -761,7 +776,7 @@ def job_config(job: Any) -> dict[str, Any]:
         "kind": type(job).__name__,
         "name": job_name(job),
         "point": job.point.to_dict(),
-        "tuned": tuned_params(job.point.policy) if not spec.passive else {},
+        "tuned": tuned_params(job.point.policy, job.point.model) if not spec.passive else {},
     }
     if isinstance(job, SimTask):
         config["detail"] = job.detail
@@ -1129,7 +1144,9 @@ def run_compare(
         "points": points,
         "failed": [r for r in [*static_caps, *done2, *done3] if r.get("error")],
     }
-    results["policy_params"] = describe_params([p for p in spec.policies if not policy_spec(p).passive])
+    results["policy_params"] = describe_params(
+        [p for p in spec.policies if not policy_spec(p).passive], spec.models
+    )
     results["summary"] = report.summarise(results)
     results["targets"] = report.evaluate_targets(results)
     results["wall_s"] = time.perf_counter() - t0
@@ -1419,7 +1436,7 @@ def run_bundles(results: dict[str, Any], out: Path, artifacts: dict[str, str]) -
         spec = policy_spec(policy)
         if spec.passive or spec.grid_level:
             continue
-        params = {**tuned_params(policy), **{k: v for k, v in p["point"].get("policy_params") or ()}}
+        params = {**tuned_params(policy, model), **{k: v for k, v in p["point"].get("policy_params") or ()}}
         rl = params.pop(ARTIFACT_PARAM, DEFAULT_ARTIFACT) if runs_rl_weights(spec) else None
         name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{policy}-{model}")
         folder = out / RUN_BUNDLES / name

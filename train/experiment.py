@@ -234,8 +234,8 @@ def build_scheduler(
 ) -> Any:
     """The cluster scheduler for catalog policy ``policy`` (``policies.catalog``; None for a passive one
     such as ``static``: every request takes the normal path). ``params``: dotted policy parameters
-    (None: the shipped tuned values). The shipped interference model is loaded only for a policy that
-    declares it needs one, and only when ``predictor`` is not given."""
+    (None: the shipped tuned values for the cluster's model). The shipped interference model is loaded
+    only for a policy that declares it needs one, and only when ``predictor`` is not given."""
     from policies.catalog import make_scheduler, policy_spec
     from policies.context import PolicyContext
 
@@ -245,7 +245,7 @@ def build_scheduler(
 
         predictor = default_predictor(config.gpu, config.model, config.tp)
     ctx = PolicyContext(ClusterEstimator(config, cost_model), config, predictor if needs else None)
-    return make_scheduler(policy, ctx, params)
+    return make_scheduler(policy, ctx, params, model=config.model)
 
 
 def point_scheduler(
@@ -264,7 +264,7 @@ def point_scheduler(
     if params is None and point.policy_params:
         from policies.catalog import tuned_params
 
-        params = {**tuned_params(point.policy), **dict(point.policy_params)}
+        params = {**tuned_params(point.policy, point.model), **dict(point.policy_params)}
     config = config if config is not None else point.cluster()
     cost_model = cost_model if cost_model is not None else point.cost_model()
     return build_scheduler(point.policy, config, cost_model, predictor=predictor, params=params)

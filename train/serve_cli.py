@@ -177,7 +177,7 @@ def served_point(args: argparse.Namespace, shape: str) -> tuple[ServedPolicy, An
     from train.experiment import Point, default_tp
 
     model_from_args(args, tp=args.tp if args.tp is not None else default_tp(args.model))
-    served = served_policy(args.policy)
+    served = served_policy(args.policy, args.model)
     point = Point(
         policy=served.policy,
         policy_params=served.point_params(),
@@ -192,9 +192,10 @@ def served_point(args: argparse.Namespace, shape: str) -> tuple[ServedPolicy, An
     return served, point
 
 
-def served_policy(ref: str) -> ServedPolicy:
-    """Resolve ``--policy REF``: a catalog name first, then a bundle folder or ``wandb:`` reference
-    (loaded and verified by ``policies.bundle``); a ``ValueError`` naming the choices otherwise."""
+def served_policy(ref: str, model: str | None = None) -> ServedPolicy:
+    """Resolve ``--policy REF`` for ``model``: a catalog name first, then a bundle folder or ``wandb:``
+    reference (loaded and verified by ``policies.bundle``); a ``ValueError`` naming the choices
+    otherwise. Values a bundle does not pin are the policy's shipped tuned values for ``model``."""
     from importlib.metadata import version
 
     from policies.bundle import WANDB_PREFIX, load_policy_bundle, resolve_bundle
@@ -202,12 +203,13 @@ def served_policy(ref: str) -> ServedPolicy:
     from serving.router import PolicyInfo
 
     if ref in policy_names():
-        return ServedPolicy(ref, None, PolicyInfo.from_catalog(ref, tuned_params(ref), version("crossflow")))
+        info = PolicyInfo.from_catalog(ref, tuned_params(ref, model), version("crossflow"))
+        return ServedPolicy(ref, None, info)
     if ref.startswith(WANDB_PREFIX) or Path(ref).exists():
         bundle = load_policy_bundle(resolve_bundle(ref))
         return ServedPolicy(
             bundle.policy,
-            bundle.run_params(),
+            bundle.run_params(model),
             PolicyInfo.from_bundle(bundle, ref),
             bundle.interference_model,
         )
@@ -224,7 +226,7 @@ def _router_parts(served: ServedPolicy, config: Any, cost_model: Any) -> dict[st
     from envs.estimator import ClusterEstimator
 
     def load(ref: str) -> tuple[Any, Any]:
-        other = served_policy(ref)
+        other = served_policy(ref, config.model)
         return other.scheduler(config, cost_model), other.info
 
     return {

@@ -12,9 +12,12 @@ over the traces of its capacity over static's; each policy keeps its best point 
 ``hindsight-split`` has no grid: its capacity is the best static capacity over every xPyD split of the
 same GPUs.
 
-The result (``policies/data/tuned_policies.json`` by default) records the command, the cluster, the
-traces, static's capacity and threshold, and every grid point's capacities; ``compare``, ``simulate``
-and anything else that builds a policy through ``policies.catalog`` use its ``params``.
+The result records the command, the cluster, the traces, static's capacity and threshold, and every
+grid point's capacities; ``compare``, ``simulate`` and anything else that builds a policy through
+``policies.catalog`` use its ``params`` on that model. It goes to the model's shipped file by default
+(``policies.catalog.model_tuned_file``: ``policies/data/tuned_policies.json`` for gpt-oss-120b,
+``tuned_policies-<model>.json`` for any other ``--model``); a model, or a policy, without values of
+its own runs gpt-oss-120b's.
 
 Traces: the first ``DEV_SUBSET`` sessions or requests of the development side of each bundled trace
 (``envs.splits``; open-loop arrivals re-timed from the seed, as ``compare`` runs them). ``compare``
@@ -37,7 +40,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from envs.cluster_config import parse_shape
-from policies.catalog import TUNED_FILE, TUNED_FORMAT, load_tuned, policy_names, policy_spec, tuned_params
+from policies.catalog import (
+    TUNED_FORMAT,
+    load_tuned,
+    model_tuned_file,
+    policy_names,
+    policy_spec,
+    tuned_params,
+)
 from train.cli_types import positive_int
 from train.compare import DEFAULT_SUBSET, is_closed_loop, same_gpu_splits, time_cap_s, trace_for
 from train.experiment import Point, run_point
@@ -179,8 +189,8 @@ def _geo_mean(values: Sequence[float]) -> float:
 
 def _grid(spec: TuneSpec, name: str) -> list[dict[str, Any]]:
     """The parameter sets to measure: the whole grid on the development side, the shipped tuned
-    values on the evaluation side."""
-    return policy_spec(name).grid_points() if spec.side == "development" else [tuned_params(name)]
+    values for the model on the evaluation side."""
+    return policy_spec(name).grid_points() if spec.side == "development" else [tuned_params(name, spec.model)]
 
 
 def run_tune(spec: TuneSpec, *, jobs: int = 1, command: str = "") -> dict[str, Any]:
@@ -324,7 +334,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "cluster and seed; each replaced entry records its own command)",
     )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel searches")
-    p.add_argument("--out", default=None, help="where to write the tuned values (default: the shipped file)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="where to write the tuned values (default: --model's shipped file, "
+        "policies/data/tuned_policies[-MODEL].json)",
+    )
     p.set_defaults(func=_run)
     return p
 
@@ -348,10 +363,16 @@ def spec_from_args(args: argparse.Namespace) -> TuneSpec:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     parse_shape(args.shape)
+    from envs.hardware import get_model
+
+    try:  # the catalog name (lower case, as the tuned file is named)
+        model = get_model(args.model).name.lower()
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"--model: {exc}") from None
     return TuneSpec(
         policies=policies,
         traces=traces,
-        model=args.model,
+        model=model,
         gpu=args.gpu,
         shape=args.shape.upper(),
         seed=args.seed,
@@ -426,7 +447,9 @@ def merge_update(previous: Mapping[str, Any], update: Mapping[str, Any]) -> dict
 def _run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     command = "crossflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
-    out = Path(args.out or (TUNED_FILE if spec.side == "development" else "runs/capacity.json"))
+    out = Path(
+        args.out or (model_tuned_file(spec.model) if spec.side == "development" else "runs/capacity.json")
+    )
     previous = _updatable(out, spec) if args.update else None
     result = run_tune(spec, jobs=args.jobs, command=command)
     wall_s = result["wall_s"]
