@@ -252,6 +252,22 @@ def test_targets_read_the_intervals() -> None:
     assert status["4P2D"] == "MISS"  # ITL p99 +20 %, a claimed loss
 
 
+def test_a_missed_target_lists_the_decision_records_of_the_point_it_was_missed_at() -> None:
+    results = _results()
+    for r in results["points"]:  # what the policy decided, recorded on seed 0 at each of its points
+        if r["policy"] == "h" and r["seed"] == 0:
+            r["reasons"] = {f"decision/borrow: at {r['shape']} {r['regime']} {r['load_fraction']:g}": 7}
+    targets = report.evaluate_targets(results)["h"]
+    by_name = {t["target"].split("] ")[1].split(":")[0]: t for t in targets}
+    assert by_name["4P2D"]["at"] == ["t", "m", "heldout", "4P2D", "latency", 0.5]
+    assert by_name["in tok/s at overload"]["at"][3:] == ["2P4D", "throughput", 2.0]
+    assert "at" not in by_name["TTFT mean"]  # a pass names no point
+    lines = report.target_lines(results, "h", targets)
+    guard = lines[lines.index(next(x for x in lines if "4P2D: no claimed loss" in x)) + 1]
+    said = "7 x decision/borrow: at 4P2D latency 0.5"  # the 4P2D point's own records, not another's
+    assert guard == f"  - decision records at t/m/heldout/4P2D latency 0.5x sat (latency): {said}"
+
+
 def test_cells_format_intervals_and_verdicts() -> None:
     assert report.change_cell({"mean": -0.1234, "low": -0.15, "high": -0.09, "n": 3, "verdict": "win"}) == (
         "-12.3 % [-15.0, -9.0] win"

@@ -293,12 +293,17 @@ def summarise(results: Mapping[str, Any]) -> dict[str, dict[str, dict[str, dict[
     return out
 
 
-def _target(name: str, ok: bool | None, measured: str) -> dict[str, Any]:
-    return {
+def _target(name: str, ok: bool | None, measured: str, at: tuple[Any, ...] | None = None) -> dict[str, Any]:
+    """One target's verdict; a miss keeps the point it was missed at (``at``: a ``point_key``), whose
+    decision records the report lists beside it."""
+    out: dict[str, Any] = {
         "target": name,
         "status": "n/a" if ok is None else ("PASS" if ok else "MISS"),
         "measured": measured,
     }
+    if ok is False and at is not None:
+        out["at"] = list(at)
+    return out
 
 
 def _where(key: tuple[Any, ...]) -> str:
@@ -318,6 +323,12 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
         res: list[dict[str, Any]] = []
         for side, groups in sides.items():
             head = groups.get("headline", {})
+            overload = [
+                (k, v)
+                for k, v in grouped.items()
+                if k[2] == side and k[4] == "throughput" and not is_guard_shape(k[3])
+                and policy in v and "static" in v
+            ]  # fmt: skip
             for metric, key in (
                 ("steady_input_tokens_per_s", "input_gain"),
                 ("steady_output_tokens_per_s", "output_gain"),
@@ -325,6 +336,10 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
                 e = head.get(metric) or {}
                 ok = None if not e.get("n") else e["mean"] >= TARGETS[key]
                 title = THROUGHPUT_METRICS[metric[len("steady_") :]][0]
+                changes = [(point_change(v[policy], v["static"], metric).mean, k) for k, v in overload]
+                weakest = min(
+                    ((c, k) for c, k in changes if math.isfinite(c)), default=None, key=lambda ck: ck[0]
+                )
                 res.append(
                     _target(
                         f"[{side}] {title} at overload: geo-mean gain >= +{100 * TARGETS[key]:.1f} %",
@@ -332,6 +347,7 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
                         "no points"
                         if ok is None
                         else f"{_pct(e['mean'])} {_ci(e)} over {head['n_points']} point(s)",
+                        weakest[1] if weakest else None,
                     )
                 )
             pts = [
@@ -354,19 +370,23 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
                         "no points"
                         if ok is None
                         else (f"losses at {', '.join(map(_where, losses))}" if losses else "none"),
+                        losses[0] if losses else None,
                     )
                 )
-            worst, where = -math.inf, ""
+            worst, worst_key = -math.inf, None
             for k, v in head_pts:
                 ch = point_change(v[policy], v["static"], "itl_mean_s").mean
                 if math.isfinite(ch) and ch > worst:
-                    worst, where = ch, _where(k)
+                    worst, worst_key = ch, k
             ok = None if not head_pts or not math.isfinite(worst) else worst <= TARGETS["itl_worse"]
             res.append(
                 _target(
                     f"[{side}] ITL mean at most +{100 * TARGETS['itl_worse']:.0f} % at every latency point",
                     ok,
-                    "no points" if ok is None else f"worst {_pct(worst)} at {where}",
+                    "no points"
+                    if ok is None or worst_key is None
+                    else f"worst {_pct(worst)} at {_where(worst_key)}",
+                    worst_key,
                 )
             )
             guard = [
@@ -374,7 +394,7 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
                 for k, v in grouped.items()
                 if k[2] == side and is_guard_shape(k[3]) and policy in v and "static" in v
             ]
-            worst, where = -math.inf, ""
+            worst, where, worst_key = -math.inf, "", None
             for k, v in guard:
                 metrics = (
                     HEADLINE_LATENCY
@@ -387,7 +407,7 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
                     if stats.verdict(change, higher) == "loss":
                         worse = -change.mean if higher else change.mean
                         if worse > worst:
-                            worst, where = worse, f"{metric} at {_where(k)}"
+                            worst, where, worst_key = worse, f"{metric} at {_where(k)}", k
             ok = None if not guard else not (worst > TARGETS["guard_worse"])
             res.append(
                 _target(
@@ -396,10 +416,26 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
                     "no 4P2D points"
                     if ok is None
                     else (f"worst {_pct(worst)} ({where})" if where else "no claimed loss"),
+                    worst_key,
                 )
             )
         out[policy] = res
     return out
+
+
+def target_lines(results: Mapping[str, Any], policy: str, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``policy``'s target verdicts as bullets; under each miss, the decision records of the point it
+    was missed at (the most frequent reasons there, numbers blanked), which say what the policy did."""
+    lines: list[str] = []
+    for r in rows:
+        lines.append(f"- {r['status']}: {r['target']} ({r['measured']})")
+        if r.get("at"):
+            key = tuple(r["at"])
+            here = [p for p in results["points"] if p["policy"] == policy and point_key(p) == key]
+            reasons = top_reasons(here, policy, 3)
+            said = "; ".join(f"{n:,} x {reason}" for reason, n in reasons) or "none recorded"
+            lines.append(f"  - decision records at {_where(key)} ({key[4]}): {said}")
+    return lines
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e-?\d+)?")
@@ -698,6 +734,27 @@ def _loads(values: Iterable[float]) -> str:
     return ", ".join(f"{x:g}" for x in values)
 
 
+def tuned_values_lines(results: Mapping[str, Any]) -> list[str]:
+    """The values each catalog policy ran with on each model, and the model they were tuned on (a
+    model without a tuned file of its own runs the default model's; a bundle runs its own)."""
+    bundles = results.get("bundles") or {}
+    body = [
+        [policy, model, entry.get("tuned_on") or "not tuned (defaults)", _values(entry.get("params") or {})]
+        for policy, per_model in sorted((results.get("policy_params") or {}).items())
+        if policy not in bundles
+        for model, entry in per_model.items()
+        if isinstance(entry, Mapping)
+    ]
+    if not body:
+        return []
+    head = "## Tuned values (`crossflow tune`, shipped per model in `policies/data/`)"
+    return ["", head, "", *_table(["policy", "model", "tuned on", "values"], body)]
+
+
+def _values(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(params.items())) or "none"
+
+
 def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
     """report.md's text from a results dict (``train.compare`` writes the same dict as results.json)."""
     grid = results["grid"]
@@ -771,6 +828,7 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
             merged.setdefault(key, []).append(h["grid_shape"])
         body = [[*k[:3], ", ".join(shapes), *k[3:]] for k, shapes in merged.items()]
         lines += _table(["trace", "model", "split", "grid shapes", "seed", "chosen", "capacities"], body)
+    lines += tuned_values_lines(results)
     lines += [
         "",
         "## Targets (computed, not asserted)",
@@ -781,7 +839,7 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str]) -> str:
     ]
     for policy, rows in targets.items():
         lines += [f"**{policy}**", ""]
-        lines += [f"- {r['status']}: {r['target']} ({r['measured']})" for r in rows]
+        lines += target_lines(results, policy, rows)
         lines.append("")
     lines += ["## Top decision reasons (numbers blanked; first seed, last 10,000 records per simulation)", ""]
     for policy in sorted({r["policy"] for r in results["points"]} - {"static", "hindsight-split"}):
