@@ -1145,7 +1145,7 @@ def run_compare(
         "failed": [r for r in [*static_caps, *done2, *done3] if r.get("error")],
     }
     results["policy_params"] = describe_params(
-        [p for p in spec.policies if not policy_spec(p).passive], spec.models
+        [p for p in spec.simulated_policies() if not policy_spec(p).passive], spec.models
     )
     results["summary"] = report.summarise(results)
     results["targets"] = report.evaluate_targets(results)
