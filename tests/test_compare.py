@@ -252,6 +252,34 @@ def test_targets_read_the_intervals() -> None:
     assert status["4P2D"] == "MISS"  # ITL p99 +20 %, a claimed loss
 
 
+def test_capacity_targets_over_static_and_the_best_peer_of_the_run() -> None:
+    results = _results()  # static 1.0, "h" 1.1 (+10 %, short of +20 %); no peer
+    results["capacity"] += [_cap("heuristic", "2P4D", s, 1.5) for s in (0, 1)]
+    results["capacity"] += [_cap("dynamo-load", "2P4D", s, 1.3) for s in (0, 1)]  # the best peer
+    results["capacity"] += [_cap("deflect", "2P4D", s, 1.2) for s in (0, 1)]
+    for policy, itl_p99 in (("heuristic", 1.0), ("dynamo-load", 1.2), ("deflect", 1.0)):
+        results["points"] += [
+            _row(policy, s, "latency", 0.5, ttft_mean_s=1.0, itl_p99_s=itl_p99) for s in (0, 1)
+        ]
+        results["points"] += [_row(policy, s, "throughput", 2.0, steady_in=120.0) for s in (0, 1)]
+    targets = report.evaluate_targets(results)
+
+    def status(policy: str, name: str) -> dict[str, Any]:
+        return next(t for t in targets[policy] if name in t["target"])
+
+    assert (
+        status("h", "over static")["status"] == "MISS" and status("h", "over static")["at"][4] == "throughput"
+    )
+    assert status("heuristic", "over static")["status"] == "PASS"  # +50 %
+    best = status("heuristic", "over the best peer")
+    assert best["status"] == "PASS" and best["measured"].endswith("over dynamo-load")  # +15.4 % >= +5 %
+    assert status("h", "over the best peer")["status"] == "MISS"  # 1.1 against dynamo-load's 1.3
+    assert not any("best peer" in t["target"] for t in targets["dynamo-load"])  # a peer is not held to it
+    assert report.is_peer(results, "deflect") and not report.is_peer(results, "heuristic")
+    assert status("dynamo-load", "ITL p99")["status"] == "MISS"  # +20 % at a latency point
+    assert status("heuristic", "ITL p99")["status"] == "PASS"
+
+
 def test_a_missed_target_lists_the_decision_records_of_the_point_it_was_missed_at() -> None:
     results = _results()
     for r in results["points"]:  # what the policy decided, recorded on seed 0 at each of its points
