@@ -333,15 +333,19 @@ def is_peer(results: Mapping[str, Any], policy: str) -> bool:
 
 
 def _capacity_targets(
-    results: Mapping[str, Any], summary: Mapping[str, Any], policy: str, side: str
+    results: Mapping[str, Any],
+    summary: Mapping[str, Any],
+    grouped: Mapping[tuple[Any, ...], Mapping[str, Any]],
+    policy: str,
+    side: str,
 ) -> list[dict[str, Any]]:
     """Capacity at SLO over static (``capacity_gain``) and, for a policy that is not a peer, over the
     best peer of the run on that side (``peer_capacity_gain``, paired by seed), on the headline group.
-    A miss names the overload point nearest capacity of the shape where the change is lowest."""
+    A miss names the overload point nearest capacity of the shape where the change is lowest
+    (``grouped``: ``by_point`` of the run's points)."""
     caps = capacity_by_key(results)
     censored = unbracketed_seeds(results)
     keys = [k for k, pol in caps.items() if k[2] == side and group_of(k[3]) == "headline" and policy in pol]
-    grouped = by_point(results["points"])
 
     def weakest(reference: str) -> tuple[Any, ...] | None:
         worst: tuple[float, tuple[Any, ...]] | None = None
@@ -409,7 +413,7 @@ def evaluate_targets(results: Mapping[str, Any]) -> dict[str, list[dict[str, Any
         res: list[dict[str, Any]] = []
         for side, groups in sides.items():
             head = groups.get("headline", {})
-            res += _capacity_targets(results, summary, policy, side)
+            res += _capacity_targets(results, summary, grouped, policy, side)
             overload = [
                 (k, v)
                 for k, v in grouped.items()
