@@ -154,3 +154,18 @@ def test_the_report_says_which_values_each_policy_ran_on_each_model(tuned_dir: P
     values = "path.itl_slack=1.0, path.margin=0.2, path.max_chunk_tokens=8192"
     assert rows[1] == f"| deflect | {OTHER} | {OTHER} | {values} |"
     assert not any("| mine" in line for line in tuned_values_lines(results))  # a bundle runs its own
+
+
+def test_bundles_and_served_policies_take_the_models_values(tuned_dir: Path) -> None:
+    from policies.bundle import load_policy_bundle, write_policy_bundle
+    from train.serve_cli import served_policy
+
+    pinned = write_policy_bundle(tuned_dir / "all", name="all", policy="deflect", model=OTHER)
+    assert dict(pinned.params) == tuned_params("deflect", OTHER)  # every value, the model's own
+    part = write_policy_bundle(tuned_dir / "part", name="part", policy="deflect", params={"path.margin": 0.1})
+    for model in (DEFAULT_TUNED_MODEL, OTHER):
+        assert part.run_params(model) == {**tuned_params("deflect", model), "path.margin": 0.1}
+        served = served_policy(str(tuned_dir / "part"), model)
+        assert served.params == part.run_params(model)
+    assert served_policy("deflect", OTHER).info.params == tuned_params("deflect", OTHER)
+    assert load_policy_bundle(tuned_dir / "all").digest == pinned.digest
