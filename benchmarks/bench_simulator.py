@@ -2,7 +2,7 @@
 million requests, and what a lease policy adds per request.
 
     python benchmarks/bench_simulator.py                 # every series
-    python benchmarks/bench_simulator.py --series agent  # one of: agent, length, cluster, memory, policy
+    python benchmarks/bench_simulator.py --series agent  # agent, length, cluster, memory, policy or ticks
 
 Single process; wall-clock seconds of the simulation alone (trace loading excluded) on whatever
 machine runs it: pin to one core with ``taskset -c 0`` to measure one core. ``memory`` runs each size
@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -140,18 +141,92 @@ def series_memory() -> None:
         print(f"{row['requests']:>10,} {row['wall_s']:>8.1f} {row['peak_mb']:>9,.0f}", flush=True)
 
 
+POLICY_CASES: list[tuple[str, Point, float, float | None]] = [
+    ("mooncake 2000", Point(trace="mooncake", max_requests=2000), 0.6, None),
+    ("agent 60", Point(trace="agent", max_requests=60), 1.0, 0.004 * 0.65),
+]
+"""The policy and ticks series: (label, trace, load factor, agent session rate)."""
+POLICY_RUNS = 3
+"""Runs of each policy in the policy series, alternated (static, heuristic, static, ...): runs of a
+second or less move by a fifth from one to the next on a shared machine, so the series reports the
+median and the range."""
+
+
 def series_policy() -> None:
-    print("Lease policy overhead per request (heuristic / static), 2P4D, CPU seconds of this process")
-    print(f"{'trace':>14} {'static s':>9} {'heuristic s':>12} {'ratio':>6}")
-    cases = [("mooncake 2000", Point(trace="mooncake", max_requests=2000), 0.6, None)]
-    cases.append(("agent 60", Point(trace="agent", max_requests=60), 1.0, 0.004 * 0.65))
-    for label, point, load, rate in cases:
+    print(
+        "Lease policy overhead per request (heuristic / static), 2P4D, CPU seconds of this process, "
+        f"median of {POLICY_RUNS} alternated runs [min, max]"
+    )
+    print(f"{'trace':>14} {'static s':>17} {'heuristic s':>17} {'ratio':>6}")
+    for label, point, load, rate in POLICY_CASES:
         trace = prepare_trace(point)
-        walls = [
-            _simulate(trace, "2P4D", load=load, rate=rate, policy=p, clock=time.process_time)[0]
-            for p in ("static", "heuristic")
-        ]
-        print(f"{label:>14} {walls[0]:>9.2f} {walls[1]:>12.2f} {walls[1] / walls[0]:>6.2f}", flush=True)
+        cpu: dict[str, list[float]] = {"static": [], "heuristic": []}
+        for _ in range(POLICY_RUNS):
+            for p, runs in cpu.items():
+                wall = _simulate(trace, "2P4D", load=load, rate=rate, policy=p, clock=time.process_time)[0]
+                runs.append(wall)
+        med = {p: statistics.median(runs) for p, runs in cpu.items()}
+        cells = [f"{med[p]:.2f} [{min(r):.2f}, {max(r):.2f}]" for p, r in cpu.items()]
+        ratio = med["heuristic"] / med["static"]
+        print(f"{label:>14} {cells[0]:>17} {cells[1]:>17} {ratio:>6.2f}", flush=True)
+
+
+class _TimedTicks(Simulator):
+    """A simulator that times its control ticks in process CPU time, by kind: replayed, or full with
+    none, one, or two or more decode nodes busy (an iteration in flight) as the tick starts."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tick_cpu: dict[str, list[float]] = {}
+
+    def _on_tick(self) -> None:
+        busy = sum(1 for w in self.decode if w.busy)
+        replayed = self.ticks_replayed
+        start = time.process_time()
+        super()._on_tick()
+        spent = time.process_time() - start
+        if self.ticks_replayed > replayed:
+            kind = "replayed"
+        else:
+            kind = f"full, {busy} busy" if busy < 2 else "full, 2+ busy"
+        entry = self.tick_cpu.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += spent
+
+
+def series_ticks() -> None:
+    print("Where a lease policy's time goes: control ticks by kind, heuristic 2P4D, CPU seconds")
+    print(f"{'trace':>14} {'kind':>16} {'ticks':>7} {'cpu s':>7} {'us/tick':>8}")
+    for label, point, load, rate in POLICY_CASES:
+        trace = prepare_trace(point)
+        static = statistics.median(
+            _simulate(trace, "2P4D", load=load, rate=rate, clock=time.process_time)[0]
+            for _ in range(POLICY_RUNS)
+        )
+        config = ClusterConfig.from_shape("2P4D")
+        cost_model = CostModel(config.gpu, config.model, config.tp)
+        sim = _TimedTicks(
+            trace,
+            config,
+            scheduler=build_scheduler("heuristic", config, cost_model),
+            cost_model=cost_model,
+            load_factor=load,
+            session_rate_per_s=rate,
+        )
+        start = time.process_time()
+        sim.run()
+        total = time.process_time() - start
+        in_ticks = 0.0
+        for kind, (n, spent) in sorted(sim.tick_cpu.items()):
+            in_ticks += spent
+            print(f"{label:>14} {kind:>16} {n:>7,} {spent:>7.2f} {1e6 * spent / n:>8.1f}", flush=True)
+        rest = total - in_ticks
+        print(
+            f"{label:>14}: heuristic {total:.2f} s ({in_ticks:.2f} s in ticks, {rest:.2f} s else), "
+            f"static {static:.2f} s (median of {POLICY_RUNS}): ratio {total / static:.2f}, "
+            f"{rest / static:.2f} if the ticks cost nothing",
+            flush=True,
+        )
 
 
 SERIES = {
@@ -160,6 +235,7 @@ SERIES = {
     "cluster": series_cluster,
     "memory": series_memory,
     "policy": series_policy,
+    "ticks": series_ticks,
 }
 
 
