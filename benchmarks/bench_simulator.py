@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from envs.cluster_config import ClusterConfig, parse_shape
 from envs.cost_model import CostModel
@@ -42,11 +43,12 @@ def _simulate(
     rate: float | None = None,
     policy: str = "static",
     clock: Callable[[], float] = time.perf_counter,
+    sim_class: type[Simulator] = Simulator,
 ) -> tuple[float, Simulator]:
     config = ClusterConfig.from_shape(shape)
     cost_model = CostModel(config.gpu, config.model, config.tp)
     scheduler = build_scheduler(policy, config, cost_model)
-    sim = Simulator(
+    sim = sim_class(
         trace, config, scheduler=scheduler, cost_model=cost_model, load_factor=load, session_rate_per_s=rate
     )
     start = clock()
@@ -163,8 +165,8 @@ def series_policy() -> None:
         cpu: dict[str, list[float]] = {"static": [], "heuristic": []}
         for _ in range(POLICY_RUNS):
             for p, runs in cpu.items():
-                wall = _simulate(trace, "2P4D", load=load, rate=rate, policy=p, clock=time.process_time)[0]
-                runs.append(wall)
+                cpu_s = _simulate(trace, "2P4D", load=load, rate=rate, policy=p, clock=time.process_time)[0]
+                runs.append(cpu_s)
         med = {p: statistics.median(runs) for p, runs in cpu.items()}
         cells = [f"{med[p]:.2f} [{min(r):.2f}, {max(r):.2f}]" for p, r in cpu.items()]
         ratio = med["heuristic"] / med["static"]
@@ -175,9 +177,10 @@ class _TimedTicks(Simulator):
     """A simulator that times its control ticks in process CPU time, by kind: replayed, or full with
     none, one, or two or more decode nodes busy (an iteration in flight) as the tick starts."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.tick_cpu: dict[str, list[float]] = {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tick_cpu: dict[str, tuple[int, float]] = {}
+        """kind -> (ticks, CPU seconds in them)"""
 
     def _on_tick(self) -> None:
         busy = sum(1 for w in self.decode if w.busy)
@@ -189,9 +192,8 @@ class _TimedTicks(Simulator):
             kind = "replayed"
         else:
             kind = f"full, {busy} busy" if busy < 2 else "full, 2+ busy"
-        entry = self.tick_cpu.setdefault(kind, [0, 0.0])
-        entry[0] += 1
-        entry[1] += spent
+        ticks, cpu_s = self.tick_cpu.get(kind, (0, 0.0))
+        self.tick_cpu[kind] = (ticks + 1, cpu_s + spent)
 
 
 def series_ticks() -> None:
@@ -203,19 +205,16 @@ def series_ticks() -> None:
             _simulate(trace, "2P4D", load=load, rate=rate, clock=time.process_time)[0]
             for _ in range(POLICY_RUNS)
         )
-        config = ClusterConfig.from_shape("2P4D")
-        cost_model = CostModel(config.gpu, config.model, config.tp)
-        sim = _TimedTicks(
+        total, sim = _simulate(
             trace,
-            config,
-            scheduler=build_scheduler("heuristic", config, cost_model),
-            cost_model=cost_model,
-            load_factor=load,
-            session_rate_per_s=rate,
+            "2P4D",
+            load=load,
+            rate=rate,
+            policy="heuristic",
+            clock=time.process_time,
+            sim_class=_TimedTicks,
         )
-        start = time.process_time()
-        sim.run()
-        total = time.process_time() - start
+        assert isinstance(sim, _TimedTicks)
         in_ticks = 0.0
         for kind, (n, spent) in sorted(sim.tick_cpu.items()):
             in_ticks += spent
