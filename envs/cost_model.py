@@ -40,6 +40,10 @@ RUNTIME_RESERVE_BYTES_PER_GPU = 2 * 2**30
 """CUDA graphs, NCCL buffers, allocator slack (SGLang leaves a few GiB outside its static pool)."""
 TABLE_TOKENS = 16384
 """Token counts tabulated at construction; larger batches take a slower exact path."""
+PREFILL_TIMES_KEPT = 1 << 16
+"""Answers ``prefill_time_s`` keeps (then it starts over)."""
+PREFILL_SUMS_KEYS = 4096
+"""(cached, chunk) pairs whose full-chunk running sums ``prefill_time_s`` keeps (then it starts over)."""
 
 
 # --- Per-operator formulas (vectorised over numpy arrays; also used by envs.calibration) -----------
@@ -441,6 +445,10 @@ class CostModel:
         self._a2a_decode_table = self.moe_communication_s(tokens, prefill=False)
         self._a2a_prefill_list: list[float] = self._a2a_prefill_table.tolist()
         self._a2a_decode_list: list[float] = self._a2a_decode_table.tolist()
+        self._prefill_times: dict[tuple[int, int, int], float] = {}
+        """(new tokens, cached tokens, chunk tokens) -> ``prefill_time_s``."""
+        self._prefill_sums: dict[tuple[int, int], list[float]] = {}
+        """(cached tokens, chunk tokens) -> running sums of the full chunks' times (``prefill_time_s``)."""
 
     # -- construction helpers --------------------------------------------------------------------
 
@@ -706,16 +714,44 @@ class CostModel:
         return self.iteration_time_s((), batch, context_tokens)
 
     def prefill_time_s(self, new_tokens: int, cached_tokens: int = 0, chunk_tokens: int = 8192) -> float:
-        """Whole prefill run alone in chunks of chunk_tokens."""
+        """Whole prefill run alone in chunks of chunk_tokens: each chunk's ``iteration_time_s`` added in
+        order. Answers are kept, and so are the running sums over full chunks per (cached, chunk), the
+        same additions in the same order: a scheduler estimates the wait behind every queued prompt and
+        each prompt's own prefill at every control interval, and a queue of n chunks cost n
+        iterations' timing each time."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        total_s = 0.0
-        done = 0
-        while done < new_tokens:
-            chunk = min(chunk_tokens, new_tokens - done)
-            total_s += self.iteration_time_s(((chunk, cached_tokens + done),))
-            done += chunk
+        if new_tokens <= 0:
+            return 0.0
+        key = (new_tokens, cached_tokens, chunk_tokens)
+        total_s = self._prefill_times.get(key)
+        if total_s is not None:
+            return total_s
+        full, rest = divmod(new_tokens, chunk_tokens)
+        sums = self._prefill_sums.get((cached_tokens, chunk_tokens))
+        if sums is None or len(sums) <= full:
+            sums = self._full_chunk_sums(cached_tokens, chunk_tokens, full)
+        total_s = sums[full]
+        if rest:
+            total_s += self.iteration_time_s(((rest, cached_tokens + full * chunk_tokens),))
+        if len(self._prefill_times) >= PREFILL_TIMES_KEPT:  # a bound on memory
+            self._prefill_times.clear()
+        self._prefill_times[key] = total_s
         return total_s
+
+    def _full_chunk_sums(self, cached_tokens: int, chunk_tokens: int, full: int) -> list[float]:
+        """Running sums of the times of full chunks after ``cached_tokens``: entry i is the first i
+        chunks' (a new list holding at least ``full + 1`` entries; a list once stored never changes)."""
+        key = (cached_tokens, chunk_tokens)
+        sums = list(self._prefill_sums.get(key, (0.0,)))
+        total_s = sums[-1]
+        for i in range(len(sums) - 1, max(full, 2 * (len(sums) - 1))):
+            total_s += self.iteration_time_s(((chunk_tokens, cached_tokens + i * chunk_tokens),))
+            sums.append(total_s)
+        if len(self._prefill_sums) >= PREFILL_SUMS_KEYS:  # a bound on memory
+            self._prefill_sums.clear()
+        self._prefill_sums[key] = sums
+        return sums
 
     def kv_transfer_time_s(
         self,

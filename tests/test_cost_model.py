@@ -94,6 +94,40 @@ def test_prefill_time_is_the_sum_of_its_chunks(oss: CostModel) -> None:
     assert oss.prefill_time_s(0) == 0.0
 
 
+def _chunk_by_chunk_s(cm: CostModel, new_tokens: int, cached_tokens: int, chunk_tokens: int) -> float:
+    total_s, done = 0.0, 0
+    while done < new_tokens:
+        chunk = min(chunk_tokens, new_tokens - done)
+        total_s += cm.iteration_time_s(((chunk, cached_tokens + done),))
+        done += chunk
+    return total_s
+
+
+@pytest.mark.parametrize("kept", [None, 3])
+def test_prefill_time_answers_exactly_the_chunk_by_chunk_sum_whatever_was_asked_before(
+    kept: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import envs.cost_model as cost_model
+
+    if kept is not None:  # memos that start over every few entries answer the same
+        monkeypatch.setattr(cost_model, "PREFILL_TIMES_KEPT", kept)
+        monkeypatch.setattr(cost_model, "PREFILL_SUMS_KEYS", kept)
+    cm = CostModel("H200", "GLM-5", tp=8)
+    rng = np.random.default_rng(7)
+    cached_choices, chunk_choices = [0, 512, 70_000], [2048, 8192]
+    asked = [
+        (int(rng.integers(0, 300_000)), int(rng.choice(cached_choices)), int(rng.choice(chunk_choices)))
+        for _ in range(8)
+    ]
+    for _ in range(300):  # repeats, and sizes that grow a kept run of chunks or fall inside it
+        new, cached, chunk = asked[int(rng.integers(len(asked)))]
+        asked.append((max(0, new + int(rng.integers(-20_000, 40_000))), cached, chunk))
+    for new, cached, chunk in asked:
+        assert cm.prefill_time_s(new, cached, chunk) == _chunk_by_chunk_s(cm, new, cached, chunk)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cm.prefill_time_s(10, -1, 4)
+
+
 def test_moe_expert_activation_growth() -> None:
     # E * (1 - (1 - k/E)^T): T=1 -> k; T=2 -> 128 * (1 - (31/32)^2) = 7.875.
     grown = expected_active_experts(128, 4, np.array([0.0, 1.0, 2.0, 64.0, 1e5]))
