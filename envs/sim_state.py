@@ -10,6 +10,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -308,6 +309,13 @@ class RouterKvLoad(Mapping[int, int]):
             pending += sum(r.input for q in (w.borrowed, w.local) for r in q if not r.started)
             self._found[node_id] = w.kv_used + pending
         return self._found[node_id]
+
+    def get(self, node_id: int, default: Any = None) -> Any:
+        """``Mapping.get`` without its ``try``/``except`` (a path policy reads every node per request)."""
+        found = self._found.get(node_id)
+        if found is not None:
+            return found
+        return self[node_id] if 0 <= node_id < len(self._workers) else default
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(len(self._workers)))

@@ -85,6 +85,16 @@ class PathQuery:
     """KV capacity of one decode node in tokens (0: not known)."""
 
     def __post_init__(self) -> None:
+        if (
+            self.input_tokens >= 0
+            and self.expected_output_tokens >= 0
+            and 0 <= self.normal_uncached_tokens <= self.input_tokens
+            and self.prefill_cached_tokens >= 0
+            and self.normal_queued_tokens >= 0
+            and self.decode_kv_capacity_tokens >= 0
+            and self.normal_queue_wait_s >= 0
+        ):
+            return  # the usual case, checked in one pass (a router builds one for every request)
         for name in (
             "input_tokens",
             "expected_output_tokens",

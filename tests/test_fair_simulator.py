@@ -270,3 +270,19 @@ def test_a_same_instant_burst_herds_only_with_the_gateway_race(race: bool) -> No
     assert burst == ([10] if race else [5, 5])
     late = req[req["arrival_s"] > 0.0]["prefill_worker"].item()
     assert late == (1 if race else 0)
+
+
+def test_the_router_kv_load_reads_as_a_mapping() -> None:
+    """``RouterKvLoad.get`` (its own, for speed) answers as ``Mapping.get`` would: a node's count, and
+    the default for a node that does not exist."""
+    from envs.sim_state import RouterKvLoad
+
+    cm = LinearCostModel(base_s=0.01, per_prefill_token_s=1e-5, kv_capacity_tokens=20_000)
+    trace = open_trace([(0.0, 2000, 50), (0.0, 3000, 40), (0.001, 1500, 30)])
+    sim = Simulator(trace, _cfg(n_decode=2, kv_transfer_latency_s=0.0), cost_model=cm)  # type: ignore[arg-type]
+    sim.step_until(0.002)
+    load = RouterKvLoad(sim.decode, sim._sync)
+    first = load.get(1)  # read through get before the mapping has seen the node
+    assert first == load[1] and load.get(0) == load[0]
+    assert dict(load) == {0: load[0], 1: load[1]} and sum(dict(load).values()) > 0
+    assert load.get(2) is None and load.get(2, -7) == -7 and load.get(-1, "none") == "none"

@@ -175,6 +175,19 @@ def test_decision_records_are_typed_and_validated() -> None:
         PathDecision("local", 0, 5, 0.0, None, "x")
     with pytest.raises(ValueError, match="normal_queued_tokens"):
         PathQuery(0, 0, 10, 1, 10, 0.0, 0, normal_queued_tokens=-1)
+    good = {"input_tokens": 10, "expected_output_tokens": 1, "normal_uncached_tokens": 10}
+    PathQuery(0, 0, normal_queue_wait_s=0.0, normal_prefill_worker=0, **good)
+    for field, bad, says in (
+        ("input_tokens", -1, "input_tokens must be >= 0"),
+        ("expected_output_tokens", -1, "expected_output_tokens must be >= 0"),
+        ("normal_uncached_tokens", -1, "normal_uncached_tokens must be >= 0"),
+        ("normal_uncached_tokens", 11, r"normal_uncached_tokens \(11\) exceeds input_tokens"),
+        ("prefill_cached_tokens", -1, "prefill_cached_tokens must be >= 0"),
+        ("decode_kv_capacity_tokens", -1, "decode_kv_capacity_tokens must be >= 0"),
+        ("normal_queue_wait_s", -0.5, "normal_queue_wait_s must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            PathQuery(0, 0, normal_prefill_worker=0, **{"normal_queue_wait_s": 0.0, **good, field: bad})
 
 
 def _ctx(predictor: object | None = None) -> PolicyContext:

@@ -73,6 +73,8 @@ class Deflect(PathPolicy):
         self._step_s: dict[int, float] = {}
         self._sent_tokens: dict[int, int] = {}
         """Local prefill tokens sent to each node since its last state report."""
+        self._nodes: list[tuple[int, NodeState]] = []
+        """``states`` in node order (as of the last ``observe``)."""
 
     def largest_chunk(self, state: NodeState) -> tuple[int, float]:
         """``(chunk tokens, mixed iteration time)`` of the largest chunk within the step target."""
@@ -86,6 +88,7 @@ class Deflect(PathPolicy):
 
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         super().observe(now_s, states)
+        self._nodes = sorted(self.states.items())
         for s in states:
             self._chunk[s.node_id], self._step_s[s.node_id] = self.largest_chunk(s)
             self._sent_tokens[s.node_id] = 0
@@ -98,7 +101,7 @@ class Deflect(PathPolicy):
         under ``threshold_s``, or ``None``. A node's estimate is its queued local tokens at its chunk
         rate, plus this prompt's chunks, each timed with its attention over the prefix before it."""
         candidates = []
-        for node, state in sorted(self.states.items()):
+        for node, state in self._nodes:
             chunk = self._chunk.get(node, 0)
             if chunk <= 0:
                 continue
@@ -122,16 +125,12 @@ class Deflect(PathPolicy):
                 best = (node, est_s, need)
         return best
 
-    def _decide(self, q: PathQuery) -> PathDecision:
-        est_normal_s = normal_path_estimate_s(self.cost, q)
-        if not self.states:
-            return PathDecision(
-                "normal", None, None, est_normal_s, None, "no decode node state yet", PathReason.NO_NODE_STATE
-            )
-        best = self.best_local(q, threshold_s=math.nextafter(est_normal_s * (1.0 - self.margin), math.inf))
-        if best is None:
-            detail = f"no decode node beats normal {est_normal_s:.3f} s by the margin within the ITL target"
-            return PathDecision("normal", None, None, est_normal_s, None, detail, PathReason.LOCAL_NOT_FASTER)
+    def _local(self, q: PathQuery, est_normal_s: float) -> tuple[int, float, int] | None:
+        """``best_local`` under the margin: the node to deflect ``q`` to, or ``None``."""
+        return self.best_local(q, threshold_s=math.nextafter(est_normal_s * (1.0 - self.margin), math.inf))
+
+    def _deflect(self, est_normal_s: float, best: tuple[int, float, int]) -> PathDecision:
+        """Send the prompt to ``best``'s node: its queue there grows by the tokens it computes."""
         node, est_s, need = best
         self._sent_tokens[node] = self._sent_tokens.get(node, 0) + need
         detail = (
@@ -140,11 +139,24 @@ class Deflect(PathPolicy):
         return PathDecision("local", node, None, est_normal_s, est_s, detail, PathReason.LOCAL_FASTER)
 
     def choose(self, q: PathQuery, now_s: float, ledger: LeaseLedger) -> PathDecision:
-        return self._decide(q)
+        est_normal_s = normal_path_estimate_s(self.cost, q)
+        if not self.states:
+            return PathDecision(
+                "normal", None, None, est_normal_s, None, "no decode node state yet", PathReason.NO_NODE_STATE
+            )
+        best = self._local(q, est_normal_s)
+        if best is None:
+            detail = f"no decode node beats normal {est_normal_s:.3f} s by the margin within the ITL target"
+            return PathDecision("normal", None, None, est_normal_s, None, detail, PathReason.LOCAL_NOT_FASTER)
+        return self._deflect(est_normal_s, best)
 
     def reconsider(self, q: PathQuery, now_s: float) -> PathDecision | None:
-        decision = self._decide(q)
-        return decision if decision.path == "local" else None
+        # ``choose``'s rule, building a decision only for a deflection (the usual answer is to stay)
+        if not self.states:
+            return None
+        est_normal_s = normal_path_estimate_s(self.cost, q)
+        best = self._local(q, est_normal_s)
+        return None if best is None else self._deflect(est_normal_s, best)
 
 
 def _make(ctx: PolicyContext, **params: float) -> Deflect:
