@@ -2,7 +2,7 @@
 million requests, and what a lease policy adds per request.
 
     python benchmarks/bench_simulator.py                 # every series
-    python benchmarks/bench_simulator.py --series agent  # agent, length, cluster, memory, policy or ticks
+    python benchmarks/bench_simulator.py --series agent  # or length, cluster, memory, policy, ticks, search
 
 Single process; wall-clock seconds of the simulation alone (trace loading excluded) on whatever
 machine runs it: pin to one core with ``taskset -c 0`` to measure one core. ``memory`` runs each size
@@ -228,6 +228,32 @@ def series_ticks() -> None:
         )
 
 
+def series_search() -> None:
+    """One job of ``crossflow compare --full``: the fewest workers at which deflect serves 1,000 Mooncake
+    requests on GLM-5 within SLO at load 1 (five seeds at a 0.9 SLO share, up to 32 workers). Its
+    under-provisioned clusters keep long prefill queues, and deflect re-offers every waiting request
+    at every control interval."""
+    from interference_model.artifact import DATA_DIR, artifact_slug
+    from train.compare import GpusJob, gpus_job
+
+    print("A compare search at overload: fewest workers for deflect, Mooncake 1,000, GLM-5 (dev split)")
+    print(f"{'wall s':>8} {'simulations':>12} {'workers':>8}")
+    point = Point(
+        policy="deflect",
+        trace="mooncake",
+        model="glm-5",
+        tp=8,
+        max_requests=1000,
+        split="dev",
+        open_loop_arrivals="poisson",
+    )
+    artifact = str(DATA_DIR / artifact_slug(point.gpu, point.model, point.resolved_tp))
+    start = time.perf_counter()
+    out = gpus_job(GpusJob(point, tuple((seed, 0.9) for seed in range(5)), 32, artifact))
+    wall = time.perf_counter() - start
+    print(f"{wall:>8.1f} {out['n_simulations']:>12} {out['workers']:>8}", flush=True)
+
+
 SERIES = {
     "agent": series_agent,
     "length": series_length,
@@ -235,6 +261,7 @@ SERIES = {
     "memory": series_memory,
     "policy": series_policy,
     "ticks": series_ticks,
+    "search": series_search,
 }
 
 
