@@ -52,6 +52,7 @@ class Deflect(PathPolicy):
     """
 
     reconsiders_waiting = True
+    observe_replayable = True  # its observe reads the states but never their time_s
 
     def __init__(
         self,
@@ -75,16 +76,20 @@ class Deflect(PathPolicy):
         """Local prefill tokens sent to each node since its last state report."""
         self._nodes: list[tuple[int, NodeState]] = []
         """``states`` in node order (as of the last ``observe``)."""
+        self._chunks: dict[tuple[int, int, float, int], tuple[int, float]] = {}
+        """(decode batch, its context tokens, step target, chunk cap) -> ``largest_chunk``."""
 
     def largest_chunk(self, state: NodeState) -> tuple[int, float]:
-        """``(chunk tokens, mixed iteration time)`` of the largest chunk within the step target."""
-        return largest_chunk_within(
-            self.cost,
-            state.decode_batch_size,
-            int(state.context_tokens_mean * state.decode_batch_size),
-            self.step_target_s,
-            self.max_chunk_tokens,
-        )
+        """``(chunk tokens, mixed iteration time)`` of the largest chunk within the step target (kept
+        per batch and context: an idle node asks the same at every interval)."""
+        batch = state.decode_batch_size
+        key = (batch, int(state.context_tokens_mean * batch), self.step_target_s, self.max_chunk_tokens)
+        found = self._chunks.get(key)
+        if found is None:
+            if len(self._chunks) >= 1 << 14:  # a bound on memory
+                self._chunks.clear()
+            found = self._chunks[key] = largest_chunk_within(self.cost, *key)
+        return found
 
     def observe(self, now_s: float, states: Sequence[NodeState]) -> None:
         super().observe(now_s, states)
