@@ -164,6 +164,24 @@ def test_deflect_sizes_the_largest_chunk_within_the_itl_slo_by_hand() -> None:
     assert half.largest_chunk(state(0, 10))[0] == 1344  # (0.025 - 0.011) / 1e-5 = 1400 -> 1344
 
 
+def test_deflect_keeps_each_batch_s_chunk_and_never_reads_a_state_s_clock() -> None:
+    from policies.node_policies import largest_chunk_within
+    from policies.path import observes_only_states
+
+    d = Deflect(COST, CFG, itl_slack=1.0, max_chunk_tokens=8192)
+    assert observes_only_states(d)  # the simulator may hand an idle node's last state object again
+    for batch, context in ((10, 1000.0), (10, 1000.0), (30, 1000.0), (10, 2500.5), (0, 0.0), (400, 1000.0)):
+        s = state(0, batch, context_tokens_mean=context)
+        want = largest_chunk_within(COST, batch, int(context * batch), d.step_target_s, d.max_chunk_tokens)
+        assert d.largest_chunk(s) == want
+    d.max_chunk_tokens = 1024  # a kept answer is keyed by the cap and the target too
+    assert d.largest_chunk(state(0, 10)) == largest_chunk_within(COST, 10, 10_000, d.step_target_s, 1024)
+    d.max_chunk_tokens = 8192
+    d.observe(0.0, [state(1, 10), state(0, 30)])
+    d.observe(5.0, [replace(state(1, 10), time_s=99.0), state(0, 30)])  # only the clock moved
+    assert (d.local_chunk_tokens(0), d.local_chunk_tokens(1)) == (3648, 3840)
+
+
 def test_deflect_sends_to_the_fastest_node_when_it_beats_the_prefill_path() -> None:
     d = Deflect(COST, CFG, itl_slack=1.0, max_chunk_tokens=8192)
     d.observe(0.0, [state(0, 10), state(1, 30, local_prefill_tokens_queued=2000)])
