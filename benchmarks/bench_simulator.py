@@ -154,23 +154,27 @@ second or less move by a fifth from one to the next on a shared machine, so the 
 median and the range."""
 
 
+POLICY_SERIES = ("static", "heuristic", "deflect")
+"""The lease policy, and the peer that reconsiders every waiting request at every interval."""
+
+
 def series_policy() -> None:
     print(
-        "Lease policy overhead per request (heuristic / static), 2P4D, CPU seconds of this process, "
+        "Policy overhead per request (each / static), 2P4D, CPU seconds of this process, "
         f"median of {POLICY_RUNS} alternated runs [min, max]"
     )
-    print(f"{'trace':>14} {'static s':>17} {'heuristic s':>17} {'ratio':>6}")
+    print(f"{'trace':>14} " + " ".join(f"{p + ' s':>17}" for p in POLICY_SERIES) + "   ratios")
     for label, point, load, rate in POLICY_CASES:
         trace = prepare_trace(point)
-        cpu: dict[str, list[float]] = {"static": [], "heuristic": []}
+        cpu: dict[str, list[float]] = {p: [] for p in POLICY_SERIES}
         for _ in range(POLICY_RUNS):
             for p, runs in cpu.items():
                 cpu_s = _simulate(trace, "2P4D", load=load, rate=rate, policy=p, clock=time.process_time)[0]
                 runs.append(cpu_s)
         med = {p: statistics.median(runs) for p, runs in cpu.items()}
-        cells = [f"{med[p]:.2f} [{min(r):.2f}, {max(r):.2f}]" for p, r in cpu.items()]
-        ratio = med["heuristic"] / med["static"]
-        print(f"{label:>14} {cells[0]:>17} {cells[1]:>17} {ratio:>6.2f}", flush=True)
+        cells = " ".join(f"{f'{med[p]:.2f} [{min(r):.2f}, {max(r):.2f}]':>17}" for p, r in cpu.items())
+        ratios = ", ".join(f"{p} {med[p] / med['static']:.2f}" for p in POLICY_SERIES[1:])
+        print(f"{label:>14} {cells}   {ratios}", flush=True)
 
 
 class _TimedTicks(Simulator):
