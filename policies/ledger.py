@@ -136,6 +136,21 @@ class LeaseLedger:
                 self._close(rid, "expired")
             return sorted(expired)
 
+    def lapsed(self, now_s: float) -> list[int]:
+        """Committed (started) reservations on nodes whose lease has expired by ``now_s``, in id order.
+
+        Nothing pays for that work any more: a node aborts it before its first token and the request
+        falls back to the normal path (``LocalPrefill._abort_stalled_chunk``). A lease revoked to zero
+        keeps its expiry, so started work waits for a new lease until then. Left active here: the
+        caller releases each one as its node drops it (``release``).
+        """
+        with self._lock:
+            return sorted(
+                rid
+                for rid, e in self._active.items()
+                if e.committed and not self._leases[e.reservation.node_id].is_live(now_s)
+            )
+
     def lease(self, node_id: int) -> Lease | None:
         """The node's current lease (possibly expired or zero), or ``None`` if it never published."""
         with self._lock:

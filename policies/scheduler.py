@@ -195,6 +195,11 @@ class ClusterScheduler:
                 return []
             ledger = self.ledger
             revoked = ledger.expire(now_s)
+            # started work on a lease that ran out (decode pressure outlasted its TTL) falls back, as
+            # the node plugin aborts it: it would otherwise hold its KV while waiting for credit, and
+            # a node whose admissions wait on that KV stays under pressure for good
+            lapsed = ledger.lapsed(now_s)
+            revoked += lapsed
             replayable = self._update_itl_guard(states) and replayable
             replay: list[tuple[int, NodePolicy, LeaseBudgets | None]] = []
             shares = self.path.plan(now_s, states) or {}
@@ -232,6 +237,12 @@ class ClusterScheduler:
                     reflected = ledger.held(node_id, committed=True) + LeaseBudgets.total(
                         ledger.held_by(rid) for rid in pending if rid in self._arrived
                     )
+                    if lapsed:  # what falls back now holds nothing in the new lease
+                        reflected = reflected.saturating_sub(
+                            LeaseBudgets.total(
+                                ledger.held_by(rid) for rid in lapsed if ledger.get(rid).node_id == node_id
+                            )
+                        )
                     lease_budgets = headroom + reflected
                     ledger.publish(node_id, lease_budgets, now_s, policy.ttl_s)
                     node_revoked = sorted(set(pending) - set(ledger.pending_ids(node_id)))

@@ -110,12 +110,7 @@ class WireLeases:
         self._revoked = []
         # started borrowed work on a node whose lease ran out cannot be paid for: the plugin aborts it
         # with 503 before its first token (``LocalPrefill._abort_stalled_chunk``); so does this node
-        for node in self.nodes:
-            lease = node.lease()
-            if lease is not None and not lease.is_live(now_s):
-                revoked += [
-                    r for r in self.ledger.active_ids(node.node_id) if self.ledger.status(r) == "committed"
-                ]
+        revoked += self.ledger.lapsed(now_s)
         return sorted(set(revoked))
 
     # ---- borrowed requests ------------------------------------------------------------------------

@@ -286,3 +286,28 @@ def test_the_router_kv_load_reads_as_a_mapping() -> None:
     assert first == load[1] and load.get(0) == load[0]
     assert dict(load) == {0: load[0], 1: load[1]} and sum(dict(load).values()) > 0
     assert load.get(2) is None and load.get(2, -7) == -7 and load.get(-1, "none") == "none"
+
+
+@pytest.mark.slow
+def test_started_borrowed_work_does_not_hold_a_pressed_node_forever() -> None:
+    """A GLM-5 point of ``compare --full`` that never finished: a borrowed 145k-token prompt, 3,908
+    tokens short, held its KV on a decode node whose next admission (202k tokens) could not fit beside
+    it; the queued admission kept the node under decode pressure, so its lease stayed at zero and the
+    prompt waited for credit until the time cap, with 442 requests unfinished. Now the started prompt
+    falls back once its lease has expired, as the node plugin aborts it."""
+    from interference_model.artifact import DATA_DIR, artifact_slug
+    from train.compare import _cap_for, _predictor, trace_for
+    from train.experiment import Point, build_simulator
+
+    point = Point(
+        policy="heuristic", trace="agent", model="glm-5", tp=8, shape="4P2D", load=1.020101353893286,
+        max_requests=20, seed=3, split="heldout", open_loop_arrivals="poisson",
+    )  # fmt: skip
+    trace = trace_for(point)
+    artifact = str(DATA_DIR / artifact_slug(point.gpu, point.model, point.resolved_tp))
+    sim = build_simulator(
+        point, trace=trace, predictor=_predictor(point, artifact, None), max_time_s=_cap_for(point, trace)
+    )
+    res = sim.run()
+    assert res.metrics.n_finished == res.metrics.n_requests == 1295
+    assert sim.counters.fallbacks >= 1 and sim.now_s < 30_000  # the cap is at 105,238 s

@@ -154,6 +154,23 @@ def test_expiry_closes_uncommitted_only_and_partial_release() -> None:
         ledger.status(99)
 
 
+def test_lapsed_lists_started_work_whose_lease_ran_out() -> None:
+    ledger = LeaseLedger()
+    ledger.publish(0, B(100, 100, 10, 100, 3), 0.0, 1.0)
+    ledger.publish(1, B(100, 100, 10, 100, 3), 0.0, 5.0)
+    started, waiting, elsewhere = (ledger.reserve(n, B(10, 20, 0, 30, 1), 0.0) for n in (0, 0, 1))
+    assert started and waiting and elsewhere
+    assert ledger.commit(started.reservation_id, 0.2) and ledger.commit(elsewhere.reservation_id, 0.2)
+    ledger.revoke(0, 0.5)  # to zero: the same expiry, so started work waits for a new lease till then
+    assert ledger.lapsed(0.9) == []
+    assert ledger.lapsed(1.0) == [started.reservation_id]  # un-committed work is ``expire``'s
+    assert ledger.status(started.reservation_id) == "committed", "the caller releases it as it drops it"
+    ledger.publish(0, B(100, 100, 10, 100, 3), 1.2, 1.0)  # a new lease pays for it again
+    assert ledger.lapsed(1.5) == [] and ledger.lapsed(5.0) == sorted(
+        [started.reservation_id, elsewhere.reservation_id]
+    )
+
+
 # ---- property test ----------------------------------------------------------------------------------
 NODES = (0, 1)
 # Leases are mostly roomy and demands small, so reservations succeed often and collide at the edges.

@@ -223,6 +223,34 @@ def test_expired_lease_falls_back() -> None:
     assert sched.ledger.status(d.reservation_id) == "expired"
 
 
+def test_started_work_falls_back_once_decode_pressure_outlasts_its_lease() -> None:
+    """As the node plugin aborts a started prompt whose lease expired (``_abort_stalled_chunk``): under
+    pressure the lease is revoked to zero with its expiry kept, and once that passes the started work
+    is handed back (revoked) rather than left holding its KV, waiting for credit that never comes."""
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0)])
+    rid = sched.choose_path(query(input_tokens=4_000), 0.0).reservation_id
+    assert rid is not None and sched.on_task_started(rid, 0.1)
+    pressed = calm(0, queued_decode_requests=5, borrowed_tasks=1, borrowed_prefill_tokens_queued=2_000)
+    assert sched.on_control_interval(0.5, [pressed]) == []  # revoked to zero, expiring at 1.0
+    assert sched.ledger.lease(0).budgets.is_zero()  # type: ignore[union-attr]
+    assert sched.on_control_interval(1.0, [pressed]) == [rid]
+    assert sched.on_control_interval(1.5, [pressed]) == [rid], "offered again until the node drops it"
+    sched.on_fallback(rid)
+    assert sched.ledger.status(rid) == "released" and sched.on_control_interval(2.0, [pressed]) == []
+
+
+def test_a_lapsed_task_holds_nothing_in_the_lease_published_beside_it() -> None:
+    sched = make_scheduler()
+    sched.on_control_interval(0.0, [calm(0)])
+    rid = sched.choose_path(query(input_tokens=4_000), 0.0).reservation_id
+    assert rid is not None and sched.on_task_started(rid, 0.1)
+    busy = calm(0, borrowed_tasks=1, borrowed_prefill_tokens_queued=2_000)
+    sched.on_control_interval(0.5, [calm(0, queued_decode_requests=5)])  # pressure: zero, expiring at 1.0
+    assert sched.on_control_interval(1.25, [busy]) == [rid]  # the pressure is over, the old lease expired
+    assert sched.ledger.lease(0).budgets == sched.policy_for(0).propose(busy)  # type: ignore[union-attr]
+
+
 def test_life_cycle_releases_compute_at_prefill_end_and_kv_at_finish() -> None:
     sched = make_scheduler(max_tasks=1)
     sched.on_control_interval(0.0, [calm(0)])
