@@ -542,9 +542,9 @@ class ClusterScheduler:
         """The node reports the task's prefill begun, which it may have done before a revocation here
         reached it (a router learns of starts from the node's reports, a little late): commit it, or
         re-open it as committed if this ledger revoked it (``LeaseLedger.reinstate``), so the leases
-        that follow count the work the node goes on running, as the simulator, which never revokes a
-        started task, does. ``False``: it expired (the node aborts it on its own); ``KeyError`` for
-        one already released, as ``LeaseLedger.commit``."""
+        that follow count the work the node goes on running, as the simulator, which revokes a started
+        task only once its lease has expired (``LeaseLedger.lapsed``), does. ``False``: it expired (the
+        node aborts it on its own); ``KeyError`` for one already released, as ``LeaseLedger.commit``."""
         with self._lock:
             if self.ledger.commit(reservation_id, now_s):
                 return True

@@ -193,7 +193,8 @@ def test_a_start_reported_after_the_revocation_reinstates_the_task_and_the_next_
     """A router learns of starts from its nodes' reports: a task its node started just before the
     control interval that revoked it (decode pressure) is reported started after it. The node goes
     on running it, so ``on_task_reported_started`` re-opens it as committed and the next lease is the
-    headroom plus what it holds, as the simulator (which never revokes a started task) publishes."""
+    headroom plus what it holds, as the simulator publishes (it revokes a started task only once its
+    lease has expired: ``test_started_work_falls_back_once_decode_pressure_outlasts_its_lease``)."""
     sched = make_scheduler()
     sched.on_control_interval(0.0, [calm(0)])
     d = sched.choose_path(query(input_tokens=2_000), 0.0)
@@ -202,10 +203,10 @@ def test_a_start_reported_after_the_revocation_reinstates_the_task_and_the_next_
     assert sched.on_control_interval(0.5, [calm(0, queued_decode_requests=1)]) == [rid]
     assert sched.on_task_reported_started(rid, 0.51), "the node had started it"
     assert sched.ledger.status(rid) == "committed" and sched.records[-1]["kind"] == "reinstated"
-    sched.on_control_interval(1.0, [calm(0)])
+    assert sched.on_control_interval(0.9, [calm(0)]) == []  # before the revoked lease's expiry (1.0)
     headroom = sched.policy_for(0).propose(calm(0))
     assert sched.ledger.lease(0).budgets == headroom + sched.ledger.held_by(rid)  # type: ignore[union-attr]
-    assert sched.ledger.available(0, 1.0) == headroom
+    assert sched.ledger.available(0, 0.9) == headroom
     sched.on_prefill_done(rid)
     sched.on_request_finished(rid)
     assert sched.ledger.held(0).is_zero()
