@@ -127,14 +127,10 @@ class LeaseLedger:
         Expired leases stay recorded (``available`` is zero) until the node publishes again.
         """
         with self._lock:
-            expired = [
-                rid
-                for rid, e in self._active.items()
-                if not e.committed and not self._leases[e.reservation.node_id].is_live(now_s)
-            ]
+            expired = self._unpaid(now_s, committed=False)
             for rid in expired:
                 self._close(rid, "expired")
-            return sorted(expired)
+            return expired
 
     def lapsed(self, now_s: float) -> list[int]:
         """Committed (started) reservations on nodes whose lease has expired by ``now_s``, in id order.
@@ -145,11 +141,7 @@ class LeaseLedger:
         caller releases each one as its node drops it (``release``).
         """
         with self._lock:
-            return sorted(
-                rid
-                for rid, e in self._active.items()
-                if e.committed and not self._leases[e.reservation.node_id].is_live(now_s)
-            )
+            return self._unpaid(now_s, committed=True)
 
     def lease(self, node_id: int) -> Lease | None:
         """The node's current lease (possibly expired or zero), or ``None`` if it never published."""
@@ -338,6 +330,15 @@ class LeaseLedger:
             )
 
     # ---- internals ------------------------------------------------------------------------------
+    def _unpaid(self, now_s: float, *, committed: bool) -> list[int]:
+        """Active reservations, committed or not as asked, whose node's lease has expired by ``now_s``,
+        in id order (``expire`` closes the un-committed ones; ``lapsed`` lists the committed ones)."""
+        return sorted(
+            rid
+            for rid, e in self._active.items()
+            if e.committed == committed and not self._leases[e.reservation.node_id].is_live(now_s)
+        )
+
     def _install(self, lease: Lease, now_s: float, previous: Lease | None) -> None:
         """Make ``lease`` current in place of ``previous`` (the node's current lease, or ``None``);
         carry over the un-committed reservations that fit, revoke the rest."""
