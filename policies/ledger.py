@@ -333,6 +333,8 @@ class LeaseLedger:
     def _unpaid(self, now_s: float, *, committed: bool) -> list[int]:
         """Active reservations, committed or not as asked, whose node's lease has expired by ``now_s``,
         in id order (``expire`` closes the un-committed ones; ``lapsed`` lists the committed ones)."""
+        if not self._active:  # most control intervals: nothing reserved anywhere
+            return []
         return sorted(
             rid
             for rid, e in self._active.items()
