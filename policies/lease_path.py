@@ -281,31 +281,21 @@ class LeasePath(PathPolicy):
         super().observe(now_s, states)
         if self.mixed_share_budget is None:
             return
-        tokens, seen, tau_s = self._tokens, self._seen_totals, self.mixed_share_window_s
+        tokens = self._tokens
         for s in states:
-            node_id = s.node_id
-            pair = tokens.get(node_id)
+            pair = tokens.get(s.node_id)
             if pair is None:
-                pair = tokens[node_id] = (DecayedSum(tau_s), DecayedSum(tau_s))
+                pair = tokens[s.node_id] = (
+                    DecayedSum(self.mixed_share_window_s),
+                    DecayedSum(self.mixed_share_window_s),
+                )
             decode, mixed = pair
-            decode_total, mixed_total = s.decode_tokens_total, s.mixed_decode_tokens_total
-            seen_decode, seen_mixed = seen.get(node_id, (0, 0))
-            if decode_total < seen_decode or mixed_total < seen_mixed:
+            seen_decode, seen_mixed = self._seen_totals.get(s.node_id, (0, 0))
+            if s.decode_tokens_total < seen_decode or s.mixed_decode_tokens_total < seen_mixed:
                 seen_decode = seen_mixed = 0  # the node restarted
-            # decode.add(now_s, ...) and mixed.add(now_s, ...): the pair is only ever added to
-            # together, so both windows share their last time and one decay factor serves both
-            # (the same products and sums, in the same order)
-            last_s = decode.t_s
-            if now_s > last_s > -math.inf:
-                factor = math.exp(-(now_s - last_s) / tau_s)
-                decode.total = decode.total * factor + (decode_total - seen_decode)
-                mixed.total = mixed.total * factor + (mixed_total - seen_mixed)
-                decode.t_s = mixed.t_s = now_s
-            else:
-                decode.total += decode_total - seen_decode
-                mixed.total += mixed_total - seen_mixed
-                decode.t_s = mixed.t_s = max(last_s, now_s)
-            seen[node_id] = (decode_total, mixed_total)
+            decode.add(now_s, s.decode_tokens_total - seen_decode)
+            mixed.add(now_s, s.mixed_decode_tokens_total - seen_mixed)
+            self._seen_totals[s.node_id] = (s.decode_tokens_total, s.mixed_decode_tokens_total)
 
     def mixed_share(self, node_id: int) -> float:
         """Share of ``node_id``'s decode tokens over the decayed window that came out of iterations with

@@ -4,12 +4,11 @@ token counts the simulator reports for it."""
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import replace
 
 import pytest
 
-from policies.lease_path import DecayedSum, LeasePath
+from policies.lease_path import LeasePath
 from policies.ledger import LeaseLedger
 from policies.node_policies import HeuristicPolicy
 from policies.path import PathReason
@@ -52,40 +51,6 @@ def test_share_is_counted_per_node_over_a_decayed_window() -> None:
     off = budget_path(None)
     off.observe(0.0, [calm(0, decode_tokens_total=1000, mixed_decode_tokens_total=900)])
     assert off.mixed_share(0) == 0.0 and not off.over_mixed_share(0)
-
-
-def test_the_windows_are_exactly_two_decayed_sums_added_to_one_after_the_other() -> None:
-    """``observe`` decays a node's two windows with one factor: bit for bit what ``DecayedSum.add`` on
-    each would give, whatever the times (equal, later, earlier) and totals (growing, restarting)."""
-    rng = random.Random(7)
-    path = budget_path()
-    reference: dict[int, tuple[DecayedSum, DecayedSum]] = {}
-    seen: dict[int, tuple[int, int]] = {}
-    totals = {0: [0, 0], 1: [0, 0]}
-    now_s = 0.0
-    for _ in range(400):
-        now_s += rng.choice([0.0, 0.1, 0.37, 2.5, -0.2])  # an earlier time leaves the windows' clock
-        states = []
-        for node, t in totals.items():
-            if rng.random() < 0.05:
-                t[0], t[1] = 0, 0  # the node restarted: its totals went back
-            grown = rng.randint(0, 500)
-            t[0] += grown
-            t[1] += rng.randint(0, grown)
-            states.append(calm(node, decode_tokens_total=t[0], mixed_decode_tokens_total=t[1]))
-        path.observe(now_s, states)
-        for s in states:
-            decode, mixed = reference.setdefault(s.node_id, (DecayedSum(10.0), DecayedSum(10.0)))
-            before = seen.get(s.node_id, (0, 0))
-            if s.decode_tokens_total < before[0] or s.mixed_decode_tokens_total < before[1]:
-                before = (0, 0)
-            decode.add(now_s, s.decode_tokens_total - before[0])
-            mixed.add(now_s, s.mixed_decode_tokens_total - before[1])
-            seen[s.node_id] = (s.decode_tokens_total, s.mixed_decode_tokens_total)
-        for node, (decode, mixed) in reference.items():
-            got_decode, got_mixed = path._tokens[node]
-            assert (got_decode.total, got_decode.t_s) == (decode.total, decode.t_s)
-            assert (got_mixed.total, got_mixed.t_s) == (mixed.total, mixed.t_s)
 
 
 def test_a_node_past_its_budget_is_not_offered_while_one_within_it_is() -> None:
