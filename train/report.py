@@ -347,6 +347,10 @@ def _capacity_targets(
     censored = unbracketed_seeds(results)
     keys = [k for k, pol in caps.items() if k[2] == side and group_of(k[3]) == "headline" and policy in pol]
 
+    def headline_capacity(p: str) -> Mapping[str, Any]:
+        """``p``'s capacity-at-SLO change over static on ``side``'s headline group (empty: none)."""
+        return ((summary.get(p) or {}).get(side) or {}).get("headline", {}).get("capacity_at_slo") or {}
+
     def weakest(reference: str) -> tuple[Any, ...] | None:
         worst: tuple[float, tuple[Any, ...]] | None = None
         for k in keys:
@@ -362,7 +366,7 @@ def _capacity_targets(
         return near[0] if near else None
 
     out: list[dict[str, Any]] = []
-    e = ((summary.get(policy) or {}).get(side) or {}).get("headline", {}).get("capacity_at_slo") or {}
+    e = headline_capacity(policy)
     ok = None if not e.get("n") else e["mean"] >= TARGETS["capacity_gain"]
     out.append(
         _target(
@@ -374,11 +378,7 @@ def _capacity_targets(
     )
     if is_peer(results, policy):
         return out
-    peers = {
-        p: ((summary.get(p) or {}).get(side) or {}).get("headline", {}).get("capacity_at_slo") or {}
-        for p in summary
-        if p != policy and is_peer(results, p)
-    }
+    peers = {p: headline_capacity(p) for p in summary if p != policy and is_peer(results, p)}
     peers = {p: v for p, v in peers.items() if v.get("n")}
     gain = 100 * TARGETS["peer_capacity_gain"]
     name = f"[{side}] capacity at SLO: geo-mean gain >= +{gain:.0f} % over the best peer"
